@@ -607,11 +607,11 @@ class DataProto:
         """Join DataProtos along the sample dim (copies the data).
 
         All parts must have the same batch keys and non-tensor keys.
-        ``meta_info`` is the union of the parts' meta_info; a key present in
-        several parts must hold equal values, else ``ValueError`` -- except
-        ``"metrics"`` (a dict, or list of dicts, per part), which is merged
-        into one dict of lists as verl does, since per-rank metrics differ by
-        design. ``auto_padding`` comes from the first part.
+        ``meta_info`` is the union of the parts' meta_info. A key present in
+        several parts with different values keeps the first part's value (as
+        verl does: per-rank values such as timings must not fail a collect) --
+        except ``"metrics"`` (a dict, or list of dicts, per part), which is
+        merged into one dict of lists. ``auto_padding`` comes from the first part.
         """
         parts = list(data)
         if not parts:
@@ -627,11 +627,6 @@ class DataProto:
                     metrics.extend(value if isinstance(value, list) else [value])
                 elif key not in meta:
                     meta[key] = value
-                elif not _values_equal(meta[key], value):
-                    raise ValueError(
-                        f"concat: meta_info[{key!r}] of item {i} differs from an earlier item's "
-                        f"({value!r} vs {meta[key]!r}); meta_info must agree across parts"
-                    )
         if metrics:
             merged: dict[str, list[Any]] = {}
             for entry in metrics:

@@ -1,0 +1,64 @@
+"""podium: one controller process driving groups of distributed PyTorch workers.
+
+The same trainer runs on Ray or on torchrun/torchx by changing one setting
+(``backend=`` or ``$PODIUM_BACKEND``). Import everything from here; the
+modules under ``podium.core`` are internal and may change.
+"""
+
+from podium.core.backend import Backend, BackendGroup, Capabilities, available_backends, load_backend
+from podium.core.decorator import Dispatch, Execute, register, register_dispatch_mode, update_dispatch_mode
+from podium.core.dispatch import make_nd_compute_dataproto_dispatch_fn
+from podium.core.futures import DataProtoFuture, RankFuture, get
+from podium.core.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from podium.core.resource import ResourcePool, ResourcePoolManager, merge_resource_pool, split_resource_pool
+from podium.core.worker import ClassWithInitArgs, Worker, create_colocated_worker_cls
+from podium.core.worker_group import WorkerGroup
+from podium.errors import (
+    CallTimeoutError,
+    DispatchError,
+    PodiumError,
+    RemoteError,
+    ResourceUnavailableError,
+    UnknownBackendError,
+    WorkerDiedError,
+    WorkerStartupError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendGroup",
+    "CallTimeoutError",
+    "Capabilities",
+    "ClassWithInitArgs",
+    "DataProto",
+    "DataProtoFuture",
+    "Dispatch",
+    "DispatchError",
+    "Execute",
+    "PodiumError",
+    "RankFuture",
+    "RemoteError",
+    "ResourcePool",
+    "ResourcePoolManager",
+    "ResourceUnavailableError",
+    "UnknownBackendError",
+    "Worker",
+    "WorkerDiedError",
+    "WorkerGroup",
+    "WorkerStartupError",
+    "__version__",
+    "available_backends",
+    "create_colocated_worker_cls",
+    "get",
+    "load_backend",
+    "make_nd_compute_dataproto_dispatch_fn",
+    "merge_resource_pool",
+    "pad_dataproto_to_divisor",
+    "register",
+    "register_dispatch_mode",
+    "split_resource_pool",
+    "unpad_dataproto",
+    "update_dispatch_mode",
+]

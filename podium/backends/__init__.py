@@ -1,0 +1,1 @@
+"""Backends shipped with podium. Each is a plugin in the ``podium.backends`` entry-point group."""

@@ -1,0 +1,366 @@
+"""The backend contract, and how backends are found.
+
+A backend is a class registered under the entry-point group ``podium.backends``::
+
+    [project.entry-points."podium.backends"]
+    mybackend = "my_package.podium_backend:MyBackend"
+
+It subclasses :class:`Backend` (how to start a group on a pool, check
+resources, shut down) and returns :class:`BackendGroup` objects (how to call
+ranks of one running group). :class:`podium.WorkerGroup` does everything else --
+dispatch, collect, padding, futures, colocated views -- the same way for every
+backend, and every rank runs a :class:`podium.core.host.WorkerHost`.
+Nothing in podium changes to add a backend.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from podium.errors import UnknownBackendError
+
+if TYPE_CHECKING:
+    from podium.core.futures import RankFuture
+    from podium.core.resource import ResourcePool
+    from podium.core.worker import ClassWithInitArgs
+
+__all__ = [
+    "RESERVED_ENV",
+    "Backend",
+    "BackendGroup",
+    "BackendOption",
+    "Capabilities",
+    "GroupSpec",
+    "RankCall",
+    "available_backends",
+    "load_backend",
+    "resolve_backend",
+]
+
+ENTRY_POINT_GROUP = "podium.backends"
+DEFAULT_BACKEND = "ray"
+# Extras that install the backends podium itself ships.
+KNOWN_EXTRAS = {"ray": "podium[ray]", "torchrun": "podium[torchrun]"}
+# Per-rank variables a backend sets; worker_env may not override them.
+RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What a backend can do. The conformance suite skips what is False, saying why."""
+
+    process_group: bool = False
+    """Ranks are processes whose env makes ``init_process_group()`` work."""
+    multi_node: bool = False
+    """Pools may span several hosts."""
+    gpu: bool = False
+    """``use_gpu=True`` pools give each rank its device."""
+    fractional_colocation: bool = False
+    """Several groups share one pool's slots (``max_colocate_count > 1``)."""
+    named_workers: bool = False
+    """``WorkerGroup.attach(name_prefix)`` reaches workers started elsewhere."""
+    worker_to_worker_futures: bool = False
+    """A ``DataProtoFuture`` passed into a call moves between workers, not through the controller."""
+    call_timeout: bool = False
+    """Deadlines (``register(timeout=)``, ``call_timeout=``) interrupt a wait on a running call."""
+    detects_dead_workers: bool = False
+    """A worker that dies is a ``WorkerDiedError`` at the controller."""
+    worker_env: bool = False
+    """``worker_env`` sets variables in each rank's own environment."""
+
+    def as_dict(self) -> dict[str, bool]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class BackendOption:
+    """One accepted key of ``backend_options``: its type, default and help text."""
+
+    name: str
+    type: type | tuple[type, ...]
+    default: Any
+    help: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSpec:
+    """What :class:`podium.WorkerGroup` asks a backend to start."""
+
+    pool: ResourcePool
+    cls_with_init: ClassWithInitArgs[Any]
+    name_prefix: str
+    worker_env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RankCall:
+    """One rank's share of a call.
+
+    Objects that several ranks receive by identity (``args[i] is other.args[i]``,
+    as nd-mesh dispatch produces for TP/PP peers) are meant to be serialized
+    or stored once and shared.
+    """
+
+    rank: int
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class BackendGroup(ABC):
+    """The running ranks of one group, as a backend sees them.
+
+    Behaviours and assumptions:
+
+    1. ``submit`` never blocks on the call itself; it returns one
+       :class:`podium.core.futures.RankFuture` per ``RankCall``, in order.
+    2. Each rank runs its calls in submission order, one at a time.
+    3. A rank that died makes its futures (and every later submit) raise
+       :class:`podium.errors.WorkerDiedError` promptly -- never a hang.
+    4. ``shutdown`` is idempotent and leaves no process, actor or port behind.
+    """
+
+    world_size: int
+    worker_names: list[str]
+
+    @abstractmethod
+    def submit(self, target: str, calls: Sequence[RankCall], *, timeout: float | None = None) -> list[RankFuture]:
+        """Start ``target`` (``"method"`` or ``"role:method"``) on the given ranks."""
+
+    def shutdown(self) -> None:
+        if getattr(self, "_podium_closed", False):
+            return
+        self._podium_closed = True
+        self._shutdown()
+
+    @abstractmethod
+    def _shutdown(self) -> None: ...
+
+
+class Backend(ABC):
+    """A way to start and reach worker processes. One instance per process and option set.
+
+    Subclasses set ``name``, ``capabilities`` and ``options``, and implement
+    ``_start_group``. Optional features (``attach_group``) raise a clear
+    ``NotImplementedError`` naming the backend unless overridden, and are
+    declared in ``capabilities``.
+    """
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    options: ClassVar[Sequence[BackendOption]] = ()
+
+    def __init__(self, **options: Any) -> None:
+        self.config = self.validate_options(options)
+        self._closed = False
+
+    @classmethod
+    def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        known = {o.name: o for o in cls.options}
+        unknown = [k for k in options if k not in known]
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, list(known), n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            accepted = ", ".join(f"{o.name} ({o.help})" for o in cls.options) or "none"
+            raise ValueError(
+                f"backend {cls.name!r} does not accept option(s) {', '.join(hints)}. Accepted: {accepted}"
+            )
+        config = {o.name: o.default for o in cls.options}
+        for key, value in options.items():
+            opt = known[key]
+            if value is not None and not isinstance(value, opt.type):
+                raise TypeError(
+                    f"backend option {key!r} of {cls.name!r} must be {opt.type}, got {type(value).__name__} "
+                    f"({value!r})"
+                )
+            config[key] = value
+        return config
+
+    @classmethod
+    def version(cls) -> str:
+        from podium import __version__
+
+        return __version__
+
+    # -- resources ---------------------------------------------------------
+
+    def check_resources(self, pools: Sequence[ResourcePool]) -> None:
+        """Raise :class:`podium.errors.ResourceUnavailableError` if the cluster can never hold ``pools``.
+
+        Must answer fast (seconds) and start nothing. The default accepts everything.
+        """
+
+    # -- groups ------------------------------------------------------------
+
+    def start_group(self, spec: GroupSpec) -> BackendGroup:
+        """Start one rank per slot of ``spec.pool``; return when every rank's constructor ran.
+
+        A failing user constructor raises the worker's exception (as a
+        :class:`podium.RemoteError`); a process that cannot start raises
+        :class:`podium.errors.WorkerStartupError`. Nothing is left running on failure.
+        """
+        if self._closed:
+            raise RuntimeError(f"backend {self.name!r} was shut down")
+        bad = sorted(set(spec.worker_env) & set(RESERVED_ENV))
+        if bad:
+            raise ValueError(
+                f"worker_env may not set {bad}: podium sets these per rank so that "
+                "init_process_group() works. Remove them from worker_env."
+            )
+        for key, value in spec.worker_env.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(f"worker_env must map str to str, got {key!r}: {value!r}")
+        return self._start_group(spec)
+
+    @abstractmethod
+    def _start_group(self, spec: GroupSpec) -> BackendGroup: ...
+
+    def attach_group(self, name_prefix: str) -> BackendGroup:
+        """Reach the running group named ``name_prefix`` (started by another controller)."""
+        raise NotImplementedError(
+            f"backend {self.name!r} has no named workers; WorkerGroup.attach() needs a backend "
+            "with capabilities.named_workers (e.g. 'ray')"
+        )
+
+    def shutdown(self) -> None:
+        """Release what the backend started (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Release backend-wide resources. Groups are shut down by their owners first."""
+
+
+# -- discovery ---------------------------------------------------------------
+
+_lock = threading.Lock()
+_instances: dict[tuple[str, tuple[tuple[str, Any], ...]], Backend] = {}
+
+
+def _entry_point_names() -> list[str]:
+    from importlib.metadata import entry_points
+
+    return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def _load_failures() -> tuple[dict[str, type[Backend]], dict[str, str]]:
+    from stevedore import ExtensionManager
+
+    failed: dict[str, str] = {}
+
+    def on_failure(_manager: Any, entry_point: Any, exc: BaseException) -> None:
+        failed[entry_point.name] = f"{type(exc).__name__}: {exc}"
+
+    manager = ExtensionManager(
+        namespace=ENTRY_POINT_GROUP,
+        invoke_on_load=False,
+        on_load_failure_callback=on_failure,
+    )
+    loaded = {ext.name: ext.plugin for ext in manager}
+    return loaded, failed
+
+
+def available_backends(*, include_failed: bool = False) -> dict[str, Any]:
+    """Installed backends: name -> :class:`Capabilities`.
+
+    With ``include_failed=True`` also returns the plugins that failed to load,
+    as name -> error text, under the key ``"__failed__"``.
+    """
+    loaded, failed = _load_failures()
+    result: dict[str, Any] = {name: plugin.capabilities for name, plugin in sorted(loaded.items())}
+    if include_failed:
+        result["__failed__"] = failed
+    return result
+
+
+def backend_class(name: str) -> type[Backend]:
+    """Load only the entry point ``name`` and return its backend class."""
+    from stevedore import DriverManager
+    from stevedore.exception import NoMatches
+
+    try:
+        manager = DriverManager(namespace=ENTRY_POINT_GROUP, name=name, invoke_on_load=False)
+    except NoMatches:
+        loaded, failed = _load_failures()
+        close = difflib.get_close_matches(name, _entry_point_names() + list(KNOWN_EXTRAS), n=1)
+        raise UnknownBackendError(
+            name,
+            sorted(loaded),
+            failed=failed,
+            suggestion=close[0] if close else None,
+            extra=KNOWN_EXTRAS.get(name),
+        ) from None
+    except Exception as exc:  # the plugin is declared but its module failed to import
+        installed, failed = _load_failures()
+        failed.setdefault(name, f"{type(exc).__name__}: {exc}")
+        missing_dependency = isinstance(exc, ImportError)
+        raise UnknownBackendError(
+            name,
+            sorted(installed),
+            failed=failed,
+            extra=KNOWN_EXTRAS.get(name) if missing_dependency else None,
+        ) from exc
+    plugin = manager.driver
+    if not (isinstance(plugin, type) and issubclass(plugin, Backend)):
+        raise UnknownBackendError(
+            name,
+            _entry_point_names(),
+            failed={name: f"entry point does not name a podium Backend subclass: {plugin!r}"},
+        )
+    return plugin
+
+
+def _options_key(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    items = []
+    for k, v in sorted(options.items()):
+        try:
+            hash(v)
+        except TypeError:
+            v = repr(v)
+        items.append((k, v))
+    return tuple(items)
+
+
+def load_backend(name: str | None = None, **options: Any) -> Backend:
+    """The backend ``name`` (default: ``$PODIUM_BACKEND``, else ``"ray"``) with ``options``.
+
+    One instance is shared per name and option set in a process, so groups
+    started with the same settings share one cluster connection.
+    """
+    name = name or os.environ.get("PODIUM_BACKEND") or DEFAULT_BACKEND
+    key = (name, _options_key(options))
+    with _lock:
+        inst = _instances.get(key)
+        if inst is not None and not inst._closed:
+            return inst
+    cls = backend_class(name)
+    inst = cls(**options)
+    with _lock:
+        _instances[key] = inst
+    return inst
+
+
+def resolve_backend(backend: Backend | str | None, options: Mapping[str, Any] | None = None) -> Backend:
+    if isinstance(backend, Backend):
+        if options:
+            raise ValueError("pass backend options when loading the backend, not with a Backend instance")
+        return backend
+    return load_backend(backend, **dict(options or {}))
+
+
+def shutdown_backends() -> None:
+    """Shut down every backend this process loaded (tests, interpreter exit)."""
+    with _lock:
+        instances = list(_instances.values())
+        _instances.clear()
+    for inst in instances:
+        inst.shutdown()

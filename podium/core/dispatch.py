@@ -1,0 +1,341 @@
+"""The built-in dispatch and collect functions.
+
+A dispatch function turns the caller's arguments into per-rank arguments:
+``dispatch_fn(worker_group, *args, **kwargs) -> (args, kwargs)``, where each
+returned argument is a list of length ``world_size`` when it differs by rank
+(the per-rank slicing rule). A collect function turns the list of per-rank
+outputs into the call's result: ``collect_fn(worker_group, outputs)``.
+
+Data arguments (``DataProto``, ``TensorDict``, ``DataProtoFuture``) are split
+into DP shards; everything else goes whole to every rank. Dispatch never
+mutates the caller's objects: padding builds a new object. The number of
+padded rows is recorded for the call (see :class:`CallState`) and removed from
+the collected result, blocking or not.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tensordict import TensorDictBase
+
+from podium.core.decorator import DispatchMode
+from podium.core.futures import DataProtoFuture
+from podium.core.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from podium.errors import DispatchError
+
+if TYPE_CHECKING:
+    from podium.core.worker_group import WorkerGroup
+
+__all__ = [
+    "CallState",
+    "collect_all_to_all",
+    "collect_dp_compute_data_proto",
+    "collect_rank_zero",
+    "dispatch_all_to_all",
+    "dispatch_dp_compute",
+    "dispatch_dp_compute_data_proto",
+    "dispatch_dp_compute_data_proto_with_func",
+    "dispatch_dp_compute_metric",
+    "dispatch_one_to_all",
+    "make_nd_compute_dataproto_dispatch_fn",
+]
+
+
+@dataclass
+class CallState:
+    """Facts a dispatch function records for the rest of one call."""
+
+    pad: int = 0
+
+
+_call_state: contextvars.ContextVar[CallState | None] = contextvars.ContextVar("podium_call_state", default=None)
+
+
+def _record_pad(pad: int) -> None:
+    state = _call_state.get()
+    if state is not None:
+        state.pad = pad
+
+
+# -- data helpers --------------------------------------------------------------
+
+
+def is_data(x: Any) -> bool:
+    return isinstance(x, (DataProto, TensorDictBase, DataProtoFuture))
+
+
+def _length(x: Any) -> int | None:
+    if isinstance(x, DataProto):
+        return len(x)
+    if isinstance(x, TensorDictBase):
+        return int(x.batch_size[0]) if x.batch_dims else 0
+    return None  # a future: unknown until resolved
+
+
+def _auto_padding(x: Any) -> bool:
+    return bool(getattr(x, "auto_padding", False))
+
+
+def _pad(x: Any, divisor: int) -> Any:
+    if isinstance(x, DataProto):
+        return pad_dataproto_to_divisor(x, divisor)[0]
+    n = _length(x) or 0
+    pad = -n % divisor
+    if pad == 0:
+        return x
+    idx = torch.arange(pad) % n
+    return torch.cat([x, x[idx]], dim=0)
+
+
+def _chunk(x: Any, chunks: int) -> list[Any]:
+    if isinstance(x, (DataProto, DataProtoFuture)):
+        return list(x.chunk(chunks))
+    return list(x.split(_length(x) // chunks, dim=0))
+
+
+def _split_sizes(x: Any, sizes: Sequence[int]) -> list[Any]:
+    out, start = [], 0
+    for size in sizes:
+        out.append(x[start : start + size])
+        start += size
+    return out
+
+
+def concat_data(parts: Sequence[Any]) -> Any:
+    if parts and all(isinstance(p, DataProto) for p in parts):
+        return DataProto.concat(list(parts))
+    if parts and all(isinstance(p, TensorDictBase) for p in parts):
+        return torch.cat(list(parts), dim=0)
+    return list(parts)
+
+
+def unpad(x: Any, pad: int) -> Any:
+    if pad <= 0:
+        return x
+    if isinstance(x, DataProto):
+        return unpad_dataproto(x, pad)
+    if isinstance(x, TensorDictBase):
+        return x[: _length(x) - pad]
+    return x
+
+
+def _data_args(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    return [a for a in list(args) + list(kwargs.values()) if is_data(a)]
+
+
+def _shard(
+    wg: WorkerGroup, shards: int, args: tuple[Any, ...], kwargs: dict[str, Any], mode: str
+) -> tuple[list[list[Any]], dict[str, list[Any]]]:
+    """Split every data argument into ``shards`` pieces, padding if allowed."""
+    data = _data_args(args, kwargs)
+    if not data:
+        raise DispatchError(
+            f"{mode} needs at least one DataProto or TensorDict argument to split over {shards} "
+            "ranks; use Dispatch.ONE_TO_ALL to send the same arguments to every rank"
+        )
+    lengths = {_length(d) for d in data} - {None}
+    if len(lengths) > 1:
+        raise DispatchError(f"{mode}: data arguments have different batch sizes {sorted(lengths)}; they must match")
+    pad = 0
+    if lengths:
+        (n,) = lengths
+        if n % shards:
+            if not any(_auto_padding(d) for d in data):
+                raise DispatchError(
+                    f"{mode}: batch size {n} does not divide by the DP size {shards}. Make the batch "
+                    f"a multiple of {shards}, or enable padding with DataProto.from_dict(..., "
+                    "auto_padding=True) (or data.auto_padding = True): rows are padded for the call "
+                    "and removed from the result."
+                )
+            pad = -n % shards
+            _record_pad(pad)
+
+    def split(x: Any) -> Any:
+        if not is_data(x):
+            return [x] * shards
+        if pad and not isinstance(x, DataProtoFuture):
+            x = _pad(x, shards)
+        return _chunk(x, shards)
+
+    return [split(a) for a in args], {k: split(v) for k, v in kwargs.items()}
+
+
+# -- built-in modes -------------------------------------------------------------
+
+
+def dispatch_one_to_all(wg: WorkerGroup, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    n = wg.world_size
+    return tuple([a] * n for a in args), {k: [v] * n for k, v in kwargs.items()}
+
+
+def dispatch_all_to_all(wg: WorkerGroup, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return args, kwargs
+
+
+def collect_all_to_all(wg: WorkerGroup, outputs: list[Any]) -> list[Any]:
+    return outputs
+
+
+def collect_rank_zero(wg: WorkerGroup, outputs: list[Any]) -> Any:
+    return outputs[0]
+
+
+def dispatch_dp_compute(wg: WorkerGroup, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    n = wg.world_size
+    for name, value in [(f"argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items()):
+        if not isinstance(value, (list, tuple)) or len(value) != n:
+            got = f"a {type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) else repr(type(value).__name__)
+            raise DispatchError(
+                f"DP_COMPUTE: {name} must be a list with one element per rank (length {n}), got {got}"
+            )
+    return tuple(list(a) for a in args), {k: list(v) for k, v in kwargs.items()}
+
+
+def dispatch_dp_compute_data_proto(
+    wg: WorkerGroup, *args: Any, **kwargs: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    split_args, split_kwargs = _shard(wg, wg.world_size, args, kwargs, "DP_COMPUTE_PROTO")
+    return tuple(split_args), split_kwargs
+
+
+def dispatch_dp_compute_data_proto_with_func(
+    wg: WorkerGroup, *args: Any, **kwargs: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if not args or not callable(args[0]):
+        raise DispatchError("DP_COMPUTE_PROTO_WITH_FUNC: the first argument must be the function to run")
+    func, rest = args[0], args[1:]
+    split_args, split_kwargs = _shard(wg, wg.world_size, rest, kwargs, "DP_COMPUTE_PROTO_WITH_FUNC")
+    return ([func] * wg.world_size, *split_args), split_kwargs
+
+
+def dispatch_dp_compute_metric(
+    wg: WorkerGroup, *args: Any, **kwargs: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Like DP_COMPUTE_PROTO, but never pads: metrics must not count duplicated rows.
+
+    A batch that does not divide (with ``auto_padding``) is split into shards
+    whose sizes differ by at most one; every rank's result is kept.
+    """
+    n = wg.world_size
+    data = _data_args(args, kwargs)
+    lengths = {_length(d) for d in data} - {None}
+    if len(lengths) == 1:
+        (size,) = lengths
+        if size % n and any(_auto_padding(d) for d in data):
+            if size < n:
+                raise DispatchError(
+                    f"DP_COMPUTE_METRIC: batch size {size} is smaller than the DP size {n}; "
+                    "every rank needs at least one row"
+                )
+            sizes = [size // n + (1 if i < size % n else 0) for i in range(n)]
+            split = lambda x: _split_sizes(x, sizes) if is_data(x) else [x] * n  # noqa: E731
+            return tuple(split(a) for a in args), {k: split(v) for k, v in kwargs.items()}
+    split_args, split_kwargs = _shard(wg, n, args, kwargs, "DP_COMPUTE_METRIC")
+    return tuple(split_args), split_kwargs
+
+
+def collect_dp_compute_data_proto(wg: WorkerGroup, outputs: list[Any]) -> Any:
+    return concat_data(outputs)
+
+
+# -- nd-mesh ------------------------------------------------------------------
+
+
+def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> DispatchMode:
+    """A dispatch mode for a DP x TP x PP mesh registered by the workers.
+
+    Each worker calls ``self._register_dispatch_collect_info(mesh_name, dp_rank,
+    is_collect)``. Data is split into one shard per DP rank; every rank of a
+    replica receives the same shard object (backends send it once); the result
+    is gathered from the ``is_collect`` ranks in DP order. Data may be passed
+    positionally or by keyword.
+    """
+    if not isinstance(mesh_name, str) or not mesh_name:
+        raise ValueError(f"mesh_name must be a non-empty string, got {mesh_name!r}")
+
+    def dispatch_fn(wg: WorkerGroup, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        layout = wg._mesh_layout(mesh_name)
+        shard_args, shard_kwargs = _shard(wg, layout.dp_size, args, kwargs, f"nd-mesh {mesh_name!r}")
+        per_rank = layout.dp_ranks
+        return (
+            tuple([shards[d] for d in per_rank] for shards in shard_args),
+            {k: [shards[d] for d in per_rank] for k, shards in shard_kwargs.items()},
+        )
+
+    def collect_fn(wg: WorkerGroup, outputs: list[Any]) -> Any:
+        layout = wg._mesh_layout(mesh_name)
+        return concat_data([outputs[r] for r in layout.collect_ranks])
+
+    return DispatchMode(f"nd_compute[{mesh_name}]", dispatch_fn, collect_fn, dp=True, mesh_name=mesh_name)
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Where each rank sits in one registered mesh."""
+
+    dp_ranks: list[int]  # rank -> dp rank
+    collect_ranks: list[int]  # the collecting rank of each dp rank, in dp order
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.collect_ranks)
+
+    @classmethod
+    def from_infos(cls, mesh_name: str, infos: Sequence[tuple[int, bool] | None]) -> MeshLayout:
+        missing = [r for r, info in enumerate(infos) if info is None]
+        if missing:
+            raise DispatchError(
+                f"ranks {missing} never declared their place in mesh {mesh_name!r}; call "
+                f"self._register_dispatch_collect_info({mesh_name!r}, dp_rank=..., is_collect=...) "
+                "in every worker (e.g. in __init__ or an init method) before using this dispatch mode"
+            )
+        pairs = [info for info in infos if info is not None]
+        dp_ranks = [dp for dp, _ in pairs]
+        dp_size = max(dp_ranks) + 1
+        collect: dict[int, list[int]] = {}
+        for rank, (dp, is_collect) in enumerate(pairs):
+            if is_collect:
+                collect.setdefault(dp, []).append(rank)
+        bad = [d for d in range(dp_size) if len(collect.get(d, [])) != 1]
+        if bad:
+            raise DispatchError(
+                f"mesh {mesh_name!r}: each DP rank needs exactly one is_collect rank; DP ranks {bad} "
+                f"have {[collect.get(d, []) for d in bad]}"
+            )
+        return cls(dp_ranks, [collect[d][0] for d in range(dp_size)])
+
+
+# -- collecting a non-blocking DP call ----------------------------------------
+
+
+class PortableCollect:
+    """Collect for a ``DataProtoFuture``: picks ranks, concatenates, removes padding.
+
+    Holds no reference to the worker group, so a future can be resolved in a
+    worker (backends with ``worker_to_worker_futures``).
+    """
+
+    def __init__(self, ranks: Sequence[int] | None, pad: int) -> None:
+        self.ranks = list(ranks) if ranks is not None else None
+        self.pad = pad
+
+    def __call__(self, outputs: list[Any]) -> Any:
+        picked = outputs if self.ranks is None else [outputs[r] for r in self.ranks]
+        return unpad(concat_data(picked), self.pad)
+
+
+class BoundCollect:
+    """Collect for a ``DataProtoFuture`` of a mode with a custom collect function."""
+
+    def __init__(self, collect_fn: Callable[[Any, list[Any]], Any], wg: WorkerGroup, pad: int) -> None:
+        self.collect_fn = collect_fn
+        self.wg = wg
+        self.pad = pad
+
+    def __call__(self, outputs: list[Any]) -> Any:
+        return unpad(self.collect_fn(self.wg, outputs), self.pad)

@@ -1,0 +1,164 @@
+"""The worker host: what runs inside every rank, on every backend.
+
+A backend starts a process (or an actor, or an object), builds one
+:class:`WorkerHost` in it, and hands it each call it receives. The host builds
+the user's worker with the rank already known, resolves the call's target
+(``"method"``, or ``"role:method"`` for colocated roles), materializes futures,
+runs ``async def`` methods, and turns a user exception into a picklable
+:class:`RemoteFailure` so that the backend can ship it like any result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+from podium.core.decorator import get_method_spec
+from podium.core.futures import DataProtoFuture
+from podium.core.worker import ClassWithInitArgs, ColocatedWorker, RankInfo, _constructing_rank
+from podium.errors import RemoteError, make_remote_error
+
+__all__ = ["MESH_INFO", "Outcome", "RemoteFailure", "WorkerHost", "split_target"]
+
+# Built-in target: returns the worker's (dp_rank, is_collect) for a mesh name.
+MESH_INFO = "__podium_mesh_info__"
+
+
+def split_target(target: str) -> tuple[str | None, str]:
+    role, sep, name = target.rpartition(":")
+    return (role if sep else None), name
+
+
+@dataclass
+class RemoteFailure:
+    """A user exception, captured in a worker, in a form that always pickles."""
+
+    rank: int | None
+    method: str
+    type_name: str
+    message: str
+    traceback: str
+    exception: bytes | None  # cloudpickled original exception, when it pickles
+
+    @classmethod
+    def capture(cls, exc: BaseException, rank: int | None, method: str) -> RemoteFailure:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        payload: bytes | None
+        try:
+            # Rebuilt without calling the class's __init__ (whose signature may
+            # not match exc.args), so user exceptions with their own
+            # constructors keep their class and fields.
+            payload = cloudpickle.dumps((type(exc), exc.args, dict(getattr(exc, "__dict__", {}))))
+        except Exception:
+            payload = None
+        return cls(rank, method, type(exc).__qualname__, str(exc), tb, payload)
+
+    def to_exception(self) -> RemoteError:
+        cause: BaseException | None = None
+        if self.exception is not None:
+            try:
+                cause = _rebuild_exception(*cloudpickle.loads(self.exception))
+            except Exception:
+                cause = None
+        if cause is None:
+            return RemoteError(
+                f"{self.type_name}: {self.message}",
+                rank=self.rank,
+                method=self.method,
+                remote_traceback=self.traceback,
+            )
+        return make_remote_error(cause, rank=self.rank, method=self.method, remote_traceback=self.traceback)
+
+
+def _rebuild_exception(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    exc = cls.__new__(cls)
+    BaseException.__init__(exc, *args)
+    exc.__dict__.update(state)
+    return exc
+
+
+@dataclass
+class Outcome:
+    """One call's result on one rank: a value, or a failure."""
+
+    ok: bool
+    value: Any
+
+    def unwrap(self) -> Any:
+        if self.ok:
+            return self.value
+        failure: RemoteFailure = self.value
+        raise failure.to_exception()
+
+
+class WorkerHost:
+    """Owns the user's worker object in one rank."""
+
+    def __init__(self, info: RankInfo, cls_with_init: ClassWithInitArgs[Any]) -> None:
+        self.info = info
+        self._loop: asyncio.AbstractEventLoop | None = None
+        token = _constructing_rank.set(info)
+        try:
+            self.worker = cls_with_init()
+        finally:
+            _constructing_rank.reset(token)
+
+    @classmethod
+    def start(cls, info: RankInfo, cls_with_init: ClassWithInitArgs[Any]) -> tuple[WorkerHost | None, Outcome]:
+        """Build a host, capturing a failing user constructor as an :class:`Outcome`."""
+        try:
+            return cls(info, cls_with_init), Outcome(True, None)
+        except BaseException as exc:  # noqa: BLE001 - the user's constructor may raise anything
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return None, Outcome(False, RemoteFailure.capture(exc, info.rank, "__init__"))
+
+    def _resolve(self, target: str) -> Any:
+        role, name = split_target(target)
+        obj = self.worker
+        if role is not None:
+            if not isinstance(obj, ColocatedWorker) or role not in obj.roles:
+                raise AttributeError(f"this worker has no colocated role {role!r}")
+            obj = obj.roles[role]
+        if name == MESH_INFO:
+            return obj._query_dispatch_collect_info
+        return getattr(obj, name)
+
+    def run(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
+        """Run one call; never raises for an error in user code."""
+        try:
+            method = self._resolve(target)
+            spec = get_method_spec(method)
+            if spec is None or spec.materialize_futures:
+                args = tuple(_materialize(a) for a in args)
+                kwargs = {k: _materialize(v) for k, v in kwargs.items()}
+            result = method(*args, **kwargs)
+            if inspect.isawaitable(result):
+                result = self._run_async(result)
+            return Outcome(True, result)
+        except BaseException as exc:  # noqa: BLE001 - user code may raise anything
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return Outcome(False, RemoteFailure.capture(exc, self.info.rank, target))
+
+    def _run_async(self, awaitable: Any) -> Any:
+        # One loop per host for its whole life, so objects bound to it (clients,
+        # queues) created by one async method can be used by the next.
+        if self._loop is None or self._loop.is_closed():
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(awaitable)
+
+    def close(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.close()
+
+
+def _materialize(value: Any) -> Any:
+    if isinstance(value, DataProtoFuture):
+        return value.get()
+    return value

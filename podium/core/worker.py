@@ -1,0 +1,156 @@
+"""The worker side: the user's ``Worker`` base class and deferred constructors."""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from podium.core.decorator import Dispatch, Execute, register
+
+__all__ = [
+    "ClassWithInitArgs",
+    "ColocatedWorker",
+    "RankInfo",
+    "Worker",
+    "create_colocated_worker_cls",
+]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where one worker sits in its group."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+
+    @classmethod
+    def from_env(cls) -> RankInfo:
+        env = os.environ
+        return cls(
+            rank=int(env.get("RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+            node_rank=int(env.get("GROUP_RANK", env.get("NODE_RANK", 0))),
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None,
+        )
+
+
+# Set by the worker host around the user's constructor so that Worker.__init__
+# (and anything the user's __init__ calls) already knows its rank.
+_constructing_rank: contextvars.ContextVar[RankInfo | None] = contextvars.ContextVar(
+    "podium_constructing_rank", default=None
+)
+
+
+class Worker:
+    """Base class for user workers. A plain class: no backend decorator.
+
+    ``rank``, ``world_size``, ``local_rank`` and ``local_world_size`` are valid
+    from ``__init__`` on. On backends with processes the environment also has
+    ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``
+    and ``MASTER_PORT``, so ``torch.distributed.init_process_group()`` works as is.
+    """
+
+    _podium_rank_info: RankInfo
+    _podium_mesh: dict[str, tuple[int, bool]]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        obj = super().__new__(cls)
+        info = _constructing_rank.get()
+        obj._podium_rank_info = info if info is not None else RankInfo.from_env()
+        obj._podium_mesh = {}
+        return obj
+
+    @property
+    def rank(self) -> int:
+        return self._podium_rank_info.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._podium_rank_info.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._podium_rank_info.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        return self._podium_rank_info.local_world_size
+
+    def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:
+        """Declare this worker's place in the mesh ``mesh_name``.
+
+        ``dp_rank`` is the data-parallel replica it belongs to; ``is_collect``
+        marks the one rank per replica whose output is gathered (the others --
+        TP/PP peers -- receive the same shard and their outputs are dropped).
+        """
+        if not isinstance(dp_rank, int) or dp_rank < 0:
+            raise ValueError(f"dp_rank must be an int >= 0, got {dp_rank!r}")
+        self._podium_mesh[mesh_name] = (dp_rank, bool(is_collect))
+
+    def _query_dispatch_collect_info(self, mesh_name: str) -> tuple[int, bool] | None:
+        return self._podium_mesh.get(mesh_name)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
+    def execute_with_func_generator(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``func(self, *args, **kwargs)`` on every rank with its shard of the data."""
+        return func(self, *args, **kwargs)
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL, execute_mode=Execute.RANK_ZERO)
+    def execute_func_rank_zero(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``func(*args, **kwargs)`` on rank zero and return its result."""
+        return func(*args, **kwargs)
+
+
+class ClassWithInitArgs(Generic[T]):
+    """A deferred constructor: the class and the arguments each rank builds it with."""
+
+    def __init__(self, cls: type[T], *args: Any, **kwargs: Any) -> None:
+        if not isinstance(cls, type):
+            raise TypeError(f"ClassWithInitArgs needs a class, got {cls!r}")
+        self.cls = cls
+        self.args = args
+        self.kwargs = kwargs
+
+    def __call__(self) -> T:
+        return self.cls(*self.args, **self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"ClassWithInitArgs({self.cls.__qualname__})"
+
+
+class ColocatedWorker(Worker):
+    """Several roles' workers in one process per rank (see :func:`create_colocated_worker_cls`)."""
+
+    def __init__(self, roles: Mapping[str, ClassWithInitArgs[Any]]) -> None:
+        self.roles: dict[str, Any] = {}
+        for name, cwa in roles.items():
+            self.roles[name] = cwa()
+
+
+def create_colocated_worker_cls(class_dict: Mapping[str, ClassWithInitArgs[Any]]) -> ClassWithInitArgs[Any]:
+    """Fuse several roles into one worker per rank.
+
+    Start a group with the returned constructor, then ``wg.spawn(prefix_set=...)``
+    gives each role its own view (a :class:`podium.WorkerGroup`) over the same processes.
+    """
+    if not class_dict:
+        raise ValueError("create_colocated_worker_cls needs at least one role")
+    for name, cwa in class_dict.items():
+        if not isinstance(name, str) or not name or ":" in name:
+            raise ValueError(f"role names must be non-empty strings without ':', got {name!r}")
+        if not isinstance(cwa, ClassWithInitArgs):
+            raise TypeError(f"role {name!r} must map to a ClassWithInitArgs, got {cwa!r}")
+    return ClassWithInitArgs(ColocatedWorker, dict(class_dict))

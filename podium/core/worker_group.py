@@ -1,0 +1,352 @@
+"""``WorkerGroup``: a group of ranks driven as one object.
+
+A call on a registered method goes: dispatch (split the arguments per rank)
+-> execute (the backend runs each rank's share) -> wait -> collect (gather the
+outputs into one result). Everything here is the same for every backend.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from podium.core.backend import Backend, BackendGroup, GroupSpec, RankCall, resolve_backend
+from podium.core.decorator import (
+    Dispatch,
+    DispatchMode,
+    Execute,
+    MethodSpec,
+    get_method_spec,
+    resolve_dispatch_mode,
+)
+from podium.core.dispatch import (
+    BoundCollect,
+    CallState,
+    MeshLayout,
+    PortableCollect,
+    _call_state,
+    collect_dp_compute_data_proto,
+    unpad,
+)
+from podium.core.futures import DataProtoFuture, RankFuture, get
+from podium.core.host import MESH_INFO
+from podium.core.resource import ResourcePool
+from podium.core.serialization import ensure_importable_by_value
+from podium.core.worker import ClassWithInitArgs, ColocatedWorker
+
+__all__ = ["WorkerGroup"]
+
+
+def registered_methods(cls: type) -> dict[str, MethodSpec]:
+    """Every ``@register``-ed method of ``cls`` (inherited ones included)."""
+    found: dict[str, MethodSpec] = {}
+    for klass in reversed(cls.__mro__):
+        for name, value in vars(klass).items():
+            spec = get_method_spec(value)
+            if spec is not None:
+                found[name] = spec
+            elif name in found:
+                del found[name]  # overridden without @register
+    return found
+
+
+def _per_rank_calls(args: tuple[Any, ...], kwargs: dict[str, Any], world_size: int) -> list[RankCall]:
+    """The per-rank slicing rule: lists of length world_size are split, else sent whole."""
+    values = list(args) + list(kwargs.values())
+    if all(isinstance(v, list) and len(v) == world_size for v in values):
+        return [
+            RankCall(i, tuple(a[i] for a in args), {k: v[i] for k, v in kwargs.items()})
+            for i in range(world_size)
+        ]
+    return [RankCall(i, args, kwargs) for i in range(world_size)]
+
+
+class WorkerGroup:
+    """Ranks of one worker class on a pool, driven as one object.
+
+    ``WorkerGroup(pool, ClassWithInitArgs(MyWorker, ...), backend="ray")``
+    starts ``pool.world_size`` ranks. Every ``@register``-ed method of
+    ``MyWorker`` is then a method of the group.
+
+    ``backend=None`` reads ``$PODIUM_BACKEND`` and falls back to ``"ray"``.
+    ``call_timeout`` is the default deadline (seconds) of every call.
+    """
+
+    def __init__(
+        self,
+        resource_pool: ResourcePool,
+        cls_with_init: ClassWithInitArgs[Any],
+        *,
+        backend: Backend | str | None = None,
+        name_prefix: str | None = None,
+        worker_env: Mapping[str, str] | None = None,
+        backend_options: Mapping[str, Any] | None = None,
+        call_timeout: float | None = None,
+    ) -> None:
+        if not isinstance(resource_pool, ResourcePool):
+            raise TypeError(f"resource_pool must be a ResourcePool, got {type(resource_pool).__name__}")
+        if not isinstance(cls_with_init, ClassWithInitArgs):
+            raise TypeError(
+                f"cls_with_init must be a ClassWithInitArgs, got {cls_with_init!r}; "
+                "wrap the class: ClassWithInitArgs(MyWorker, *args, **kwargs)"
+            )
+        _check_timeout(call_timeout)
+        self._backend = resolve_backend(backend, backend_options)
+        for cls in _user_classes(cls_with_init):
+            ensure_importable_by_value(cls)
+        spec = GroupSpec(
+            pool=resource_pool,
+            cls_with_init=cls_with_init,
+            name_prefix=name_prefix or _default_name(cls_with_init),
+            worker_env=dict(worker_env or {}),
+        )
+        group = self._backend.start_group(spec)
+        self._setup(group, cls_with_init, role=None, call_timeout=call_timeout, owner=None)
+        self.resource_pool = resource_pool
+        self.name_prefix = spec.name_prefix
+
+    def _setup(
+        self,
+        group: BackendGroup,
+        cls_with_init: ClassWithInitArgs[Any],
+        *,
+        role: str | None,
+        call_timeout: float | None,
+        owner: WorkerGroup | None,
+    ) -> None:
+        self._group = group
+        self._cls_with_init = cls_with_init
+        self._role = role
+        self._call_timeout = call_timeout
+        self._owner = owner
+        self._owns_workers = owner is None
+        self._methods = registered_methods(cls_with_init.cls)
+        self._mesh_layouts: dict[str, MeshLayout] = {}
+
+    @classmethod
+    def attach(
+        cls,
+        name_prefix: str,
+        worker: ClassWithInitArgs[Any] | type,
+        *,
+        backend: Backend | str | None = None,
+        backend_options: Mapping[str, Any] | None = None,
+        call_timeout: float | None = None,
+    ) -> WorkerGroup:
+        """A group over named workers another controller started (``capabilities.named_workers``).
+
+        ``worker`` is their class (or constructor), used for the method table.
+        Shutting the attached group down detaches; the workers keep running.
+        """
+        the_backend = resolve_backend(backend, backend_options)
+        cwa = worker if isinstance(worker, ClassWithInitArgs) else ClassWithInitArgs(worker)
+        wg = cls.__new__(cls)
+        wg._backend = the_backend
+        wg._setup(the_backend.attach_group(name_prefix), cwa, role=None, call_timeout=call_timeout, owner=None)
+        wg._owns_workers = False
+        wg.name_prefix = name_prefix
+        return wg
+
+    # -- properties ----------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self._group.world_size
+
+    @property
+    def worker_names(self) -> list[str]:
+        return list(self._group.worker_names)
+
+    @property
+    def backend(self) -> str:
+        return self._backend.name
+
+    @property
+    def capabilities(self) -> Any:
+        return self._backend.capabilities
+
+    # -- registered methods --------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails; guard attributes read before _setup.
+        if name.startswith("__") or name in ("_methods", "_cls_with_init", "_group"):
+            raise AttributeError(name)
+        methods = self.__dict__.get("_methods")
+        if methods is None:
+            raise AttributeError(name)
+        spec = methods.get(name)
+        if spec is None:
+            raise AttributeError(self._missing_method_message(name))
+        caller = functools.partial(self._call_registered, name, spec)
+        functools.update_wrapper(caller, getattr(self._cls_with_init.cls, name))
+        return caller
+
+    def __dir__(self) -> Iterable[str]:
+        return sorted(set(super().__dir__()) | set(self.__dict__.get("_methods", {})))
+
+    def _missing_method_message(self, name: str) -> str:
+        cls = self._cls_with_init.cls
+        where = f"{cls.__qualname__}" + (f" (role {self._role!r})" if self._role else "")
+        if callable(getattr(cls, name, None)):
+            return (
+                f"{where}.{name} is not callable through a WorkerGroup: decorate it with "
+                f"@register(dispatch_mode=...) (from podium import register), or call it on every "
+                f"rank with wg.execute_all_sync({name!r}, ...)"
+            )
+        close = difflib.get_close_matches(name, list(self._methods), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        return f"{where} has no registered method {name!r}.{hint} Registered: {sorted(self._methods)}"
+
+    def _target(self, name: str) -> str:
+        return f"{self._role}:{name}" if self._role else name
+
+    def _call_registered(self, name: str, spec: MethodSpec, *args: Any, **kwargs: Any) -> Any:
+        mode = resolve_dispatch_mode(spec.dispatch_mode)
+        args, kwargs = self._resolve_futures(args, kwargs)
+        state = CallState()
+        token = _call_state.set(state)
+        try:
+            d_args, d_kwargs = mode.dispatch_fn(self, *args, **kwargs)
+        finally:
+            _call_state.reset(token)
+        timeout = spec.timeout if spec.timeout is not None else self._call_timeout
+        target = self._target(name)
+
+        if spec.execute_mode is Execute.RANK_ZERO or spec.dispatch_mode is Dispatch.RANK_ZERO:
+            if spec.dispatch_mode is Dispatch.RANK_ZERO:
+                call = RankCall(0, tuple(d_args), dict(d_kwargs))  # the arguments as given
+            else:
+                call = _per_rank_calls(tuple(d_args), dict(d_kwargs), self.world_size)[0]
+            (future,) = self._group.submit(target, [call], timeout=timeout)
+            return get(future, timeout) if spec.blocking else future
+
+        futures = self._group.submit(
+            target, _per_rank_calls(tuple(d_args), dict(d_kwargs), self.world_size), timeout=timeout
+        )
+        if not spec.blocking:
+            if mode.dp:
+                return DataProtoFuture(self._future_collect(mode, state.pad), futures)
+            return futures
+        outputs = get(futures, timeout)
+        return unpad(mode.collect_fn(self, outputs), state.pad)
+
+    def _future_collect(self, mode: DispatchMode, pad: int) -> Callable[[list[Any]], Any]:
+        if mode.mesh_name is not None:
+            return PortableCollect(self._mesh_layout(mode.mesh_name).collect_ranks, pad)
+        if mode.collect_fn is collect_dp_compute_data_proto:
+            return PortableCollect(None, pad)
+        return BoundCollect(mode.collect_fn, self, pad)
+
+    def _resolve_futures(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Rank futures are resolved here; DataProtoFutures too unless they can move worker to worker."""
+        w2w = self._backend.capabilities.worker_to_worker_futures
+
+        def resolve(value: Any) -> Any:
+            if isinstance(value, DataProtoFuture):
+                if w2w and isinstance(value.collect_fn, PortableCollect):
+                    return value
+                return value.get()
+            if isinstance(value, RankFuture):
+                return get(value)
+            if isinstance(value, list) and value and all(isinstance(v, RankFuture) for v in value):
+                return get(value)
+            return value
+
+        return tuple(resolve(a) for a in args), {k: resolve(v) for k, v in kwargs.items()}
+
+    def _mesh_layout(self, mesh_name: str) -> MeshLayout:
+        layout = self._mesh_layouts.get(mesh_name)
+        if layout is None:
+            infos = self.execute_all_sync(MESH_INFO, mesh_name)
+            layout = MeshLayout.from_infos(mesh_name, infos)
+            self._mesh_layouts[mesh_name] = layout
+        return layout
+
+    # -- raw execution -------------------------------------------------------
+
+    def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[RankFuture]:
+        """Run ``method_name`` on every rank (per-rank slicing rule); return the futures."""
+        return self._group.submit(
+            self._target(method_name),
+            _per_rank_calls(args, kwargs, self.world_size),
+            timeout=self._call_timeout,
+        )
+
+    execute_all = execute_all_async
+
+    def execute_all_sync(self, method_name: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return get(self.execute_all_async(method_name, *args, **kwargs), self._call_timeout)
+
+    def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> RankFuture:
+        (future,) = self._group.submit(
+            self._target(method_name), [RankCall(0, args, kwargs)], timeout=self._call_timeout
+        )
+        return future
+
+    execute_rank_zero = execute_rank_zero_async
+
+    def execute_rank_zero_sync(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        return get(self.execute_rank_zero_async(method_name, *args, **kwargs), self._call_timeout)
+
+    # -- colocation ----------------------------------------------------------
+
+    def spawn(self, prefix_set: Iterable[str]) -> dict[str, WorkerGroup]:
+        """One view per colocated role, over the same processes."""
+        if self._cls_with_init.cls is not ColocatedWorker:
+            raise TypeError(
+                "spawn() needs a group started from create_colocated_worker_cls({...}); "
+                f"this group runs {self._cls_with_init.cls.__qualname__}"
+            )
+        roles: Mapping[str, ClassWithInitArgs[Any]] = self._cls_with_init.args[0]
+        views = {}
+        for role in prefix_set:
+            if role not in roles:
+                raise KeyError(f"no colocated role {role!r}; roles: {sorted(roles)}")
+            view = WorkerGroup.__new__(WorkerGroup)
+            view._backend = self._backend
+            view._setup(self._group, roles[role], role=role, call_timeout=self._call_timeout, owner=self)
+            view.resource_pool = getattr(self, "resource_pool", None)
+            view.name_prefix = f"{self.name_prefix}:{role}"
+            views[role] = view
+        return views
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the group's workers (idempotent). Views from spawn() share them: stopping one stops all."""
+        if self._owner is not None:
+            self._owner.shutdown()
+            return
+        if self._owns_workers:
+            self._group.shutdown()
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        cls = self._cls_with_init.cls.__qualname__
+        role = f" role={self._role!r}" if self._role else ""
+        return f"<WorkerGroup {cls}{role} world_size={self.world_size} backend={self.backend!r}>"
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"call_timeout must be a positive number of seconds or None, got {timeout!r}")
+
+
+def _user_classes(cwa: ClassWithInitArgs[Any]) -> list[type]:
+    if cwa.cls is ColocatedWorker:
+        return [role.cls for role in cwa.args[0].values()]
+    return [cwa.cls]
+
+
+def _default_name(cwa: ClassWithInitArgs[Any]) -> str:
+    import uuid
+
+    base = "colocated" if cwa.cls is ColocatedWorker else cwa.cls.__name__
+    return f"{base}_{uuid.uuid4().hex[:8]}"

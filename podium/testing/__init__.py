@@ -1,0 +1,3 @@
+"""Testing helpers for podium users and backend authors: the conformance suite."""
+
+__all__ = ["conformance"]

@@ -1,0 +1,16 @@
+"""The conformance suite every podium backend runs against itself.
+
+Subclass :class:`ConformanceSuite` in a test module and set ``backend_name``
+(and ``backend_options``), or run ``podium conformance NAME``.
+"""
+
+from podium.testing.conformance.base import BackendFixtures
+from podium.testing.conformance.dispatch_tests import DispatchTests
+from podium.testing.conformance.errors_tests import ErrorTests
+from podium.testing.conformance.execution_tests import ExecutionTests
+
+__all__ = ["BackendFixtures", "ConformanceSuite", "DispatchTests", "ErrorTests", "ExecutionTests"]
+
+
+class ConformanceSuite(DispatchTests, ExecutionTests, ErrorTests):
+    """Every conformance test, sharing one set of started groups per class."""

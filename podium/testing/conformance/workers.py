@@ -1,0 +1,227 @@
+"""Worker classes the conformance suite runs on every backend.
+
+They live in an installed module (not a test file) so every backend can import
+them by reference; the suite also checks by-value classes separately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+
+from podium import (
+    DataProto,
+    Dispatch,
+    Execute,
+    Worker,
+    make_nd_compute_dataproto_dispatch_fn,
+    register,
+)
+
+
+class SuiteError(Exception):
+    """A user exception with a constructor of its own."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(f"code {code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+class ConformanceWorker(Worker):
+    def __init__(self, offset: int = 0) -> None:
+        super().__init__()
+        self.offset = offset
+        self.rank_at_init = (self.rank, self.world_size, self.local_rank, self.local_world_size)
+        self.calls = 0
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def whoami(self, tag: Any = None) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "local_world_size": self.local_world_size,
+            "at_init": self.rank_at_init,
+            "pid": os.getpid(),
+            "tag": tag,
+            "offset": self.offset,
+        }
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def env(self, *names: str) -> dict[str, str | None]:
+        return {name: os.environ.get(name) for name in names}
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def echo(self, *args: Any, **kwargs: Any) -> tuple[int, tuple[Any, ...], dict[str, Any]]:
+        return self.rank, args, kwargs
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    def rank_zero_echo(self, value: Any) -> tuple[int, Any]:
+        return self.rank, value
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
+    def only_rank_zero(self, value: Any) -> tuple[int, Any]:
+        return self.rank, value
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE)
+    def dp_compute(self, value: Any, *, scale: int = 1) -> tuple[int, Any]:
+        return self.rank, value * scale
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def add_rank(self, data: DataProto, bias: float = 0.0) -> DataProto:
+        """The quickstart's scoring: each row gets its rank (plus ``bias``) added."""
+        out = data.select(batch_keys=["x"], deepcopy=True)
+        out.batch["x"] += self.rank + bias
+        out.batch["rank"] = torch.full((len(out),), self.rank)
+        out.meta_info = {"rank": self.rank, "rows": len(data)}
+        data.meta_info["touched_by"] = self.rank  # must never reach the caller's object
+        return out
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def add_rank_td(self, td: Any) -> Any:
+        out = td.clone()
+        out["x"] = out["x"] + self.rank
+        return out
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def add_rank_async(self, data: DataProto) -> DataProto:
+        return _add(self, data)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, materialize_futures=False)
+    def future_type(self, data: Any) -> str:
+        return type(data).__name__
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def metric(self, data: DataProto) -> dict[str, Any]:
+        return {"rank": self.rank, "rows": len(data), "sum": float(data.batch["x"].sum())}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    async def async_double(self, value: int, delay: float = 0.0) -> tuple[int, int]:
+        await asyncio.sleep(delay)
+        return self.rank, value * 2
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def nonblocking(self, value: int) -> tuple[int, int]:
+        return self.rank, value + 1
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, timeout=1.0)
+    def sleep_with_deadline(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def fail(self, on_rank: int, kind: str = "value") -> int:
+        if self.rank == on_rank:
+            if kind == "value":
+                raise ValueError(f"bad value on rank {self.rank}")
+            raise SuiteError(7, f"custom failure on rank {self.rank}")
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def count(self) -> int:
+        self.calls += 1
+        return self.calls
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def all_reduce_rank(self) -> float:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group(backend="gloo")
+        t = torch.tensor([float(self.rank)])
+        dist.all_reduce(t)
+        return float(t.item())
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def die(self, on_rank: int, how: str = "kill") -> int:
+        if self.rank == on_rank:
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(3)
+        time.sleep(30)
+        return self.rank
+
+    def not_registered(self) -> int:
+        return self.rank
+
+
+def _add(worker: ConformanceWorker, data: DataProto) -> DataProto:
+    out = data.select(batch_keys=["x"], deepcopy=True)
+    out.batch["x"] += worker.rank
+    return out
+
+
+class FailingInitWorker(Worker):
+    def __init__(self, fail_rank: int) -> None:
+        super().__init__()
+        if self.rank == fail_rank:
+            raise RuntimeError(f"constructor refused on rank {self.rank}")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def ping(self) -> int:
+        return self.rank
+
+
+MESH = "suite_mesh"
+
+
+class MeshWorker(Worker):
+    """Ranks laid out as DP x TP with TP fastest: rank = dp * tp_size + tp."""
+
+    def __init__(self, tp_size: int) -> None:
+        super().__init__()
+        self.tp_rank = self.rank % tp_size
+        self.dp_rank = self.rank // tp_size
+        self._register_dispatch_collect_info(MESH, dp_rank=self.dp_rank, is_collect=self.tp_rank == 0)
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(MESH))
+    def shard(self, data: DataProto) -> DataProto:
+        out = data.select(batch_keys=["x"], deepcopy=True)
+        out.batch["dp"] = torch.full((len(out),), self.dp_rank)
+        out.batch["tp"] = torch.full((len(out),), self.tp_rank)
+        return out
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(MESH), blocking=False)
+    def shard_async(self, data: DataProto) -> DataProto:
+        out = data.select(batch_keys=["x"], deepcopy=True)
+        out.batch["dp"] = torch.full((len(out),), self.dp_rank)
+        return out
+
+
+class ActorRole(Worker):
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        self.lr = lr
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def describe(self) -> tuple[str, int, int, float]:
+        return "actor", self.rank, os.getpid(), self.lr
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def score(self, data: DataProto) -> DataProto:
+        out = data.select(batch_keys=["x"], deepcopy=True)
+        out.batch["x"] *= 2
+        return out
+
+
+class CriticRole(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def describe(self) -> tuple[str, int, int]:
+        return "critic", self.rank, os.getpid()
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def value(self, data: DataProto) -> DataProto:
+        out = data.select(batch_keys=["x"], deepcopy=True)
+        out.batch["x"] += 100
+        return out
