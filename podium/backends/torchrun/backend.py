@@ -1,0 +1,197 @@
+"""``TorchrunBackend``: groups of workers started by torchrun, through torchx.
+
+Start-up of one group, in order:
+
+1. check the pool's shape (torchrun: the same process count on every node);
+2. bind the group's CURVE-secured control socket and make its keys;
+3. submit a torchx app (``local_cwd`` unless ``scheduler`` says otherwise)
+   whose role runs torchrun, which runs podium's worker entry point;
+4. wait for every rank to connect, then send the worker class and wait for
+   every constructor. Any failure tears down what was started and raises.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from podium.backends.torchrun.group import TorchrunGroup
+from podium.backends.torchrun.launch import app_for_pool, check_pool_shape, dryrun, free_port, make_runner
+from podium.core.backend import Backend, BackendGroup, BackendOption, Capabilities, GroupSpec
+from podium.core.resource import ResourcePool
+from podium.errors import ResourceUnavailableError
+
+__all__ = ["TorchrunBackend"]
+
+_LOCAL_SCHEDULERS = ("local_cwd", "local_docker", "local")
+_TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+class TorchrunBackend(Backend):
+    """Workers launched by torchrun through a torchx scheduler, driven over ZeroMQ."""
+
+    name: ClassVar[str] = "torchrun"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        process_group=True,
+        multi_node=True,
+        gpu=True,
+        fractional_colocation=False,
+        named_workers=False,
+        worker_to_worker_futures=False,
+        call_timeout=True,
+        detects_dead_workers=True,
+        worker_env=True,
+    )
+    options: ClassVar[Sequence[BackendOption]] = (
+        BackendOption("scheduler", str, "local_cwd", "torchx scheduler: local_cwd, slurm, kubernetes, ..."),
+        BackendOption("scheduler_cfg", dict, None, "the torchx scheduler's run config (e.g. {'partition': 'gpu'})"),
+        BackendOption(
+            "controller_host",
+            str,
+            None,
+            "address workers use to reach the controller (default 127.0.0.1: same host only); "
+            "set it to this host's reachable address for multi-node schedulers",
+        ),
+        BackendOption("bind_host", str, None, "interface the control socket binds (default: controller_host)"),
+        BackendOption("start_timeout", (int, float), 180.0, "seconds to wait for every worker to start"),
+        BackendOption(
+            "heartbeat_timeout", (int, float), 4.0, "seconds without a worker heartbeat before it is declared dead"
+        ),
+        BackendOption(
+            "orphan_timeout", (int, float), 8.0, "seconds without the controller before workers exit"
+        ),
+        BackendOption("forward_output", bool, True, "print workers' stdout/stderr here with a rank prefix"),
+        BackendOption("python", str, None, "Python interpreter on the worker hosts (default: this one)"),
+        BackendOption("cpu_per_node", int, None, "CPUs each node asks the scheduler for (default: nproc_per_node)"),
+        BackendOption("mem_mb_per_node", int, None, "memory (MB) each node asks for (default: 1024 per process)"),
+        BackendOption("rdzv_port", int, None, "c10d rendezvous port on rank 0's host (multi-node; default: free port)"),
+    )
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._runner: Any = None
+        self._runner_lock = threading.Lock()
+        self._groups: list[TorchrunGroup] = []
+
+    @property
+    def scheduler(self) -> str:
+        return str(self.config["scheduler"])
+
+    def runner(self) -> Any:
+        with self._runner_lock:
+            if self._runner is None:
+                self._runner = make_runner()
+            return self._runner
+
+    # -- resources ------------------------------------------------------------
+
+    def check_resources(self, pools: Sequence[ResourcePool]) -> None:
+        for pool in pools:
+            check_pool_shape(pool)
+        if self.scheduler not in _LOCAL_SCHEDULERS:
+            return  # a remote scheduler queues what it cannot place now; it answers for itself
+        gpu_pools = [p for p in pools if p.use_gpu]
+        if not gpu_pools:
+            return  # CPU workers on one host may be oversubscribed
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        need = max(max(p.process_on_nodes) for p in gpu_pools)
+        if need > have:
+            raise ResourceUnavailableError(
+                f"a GPU pool needs {need} GPUs per node but this host has {have}. Use "
+                "ResourcePool(..., use_gpu=False) for CPU workers, a smaller pool, or a scheduler "
+                "with GPU nodes (backend_options={'scheduler': 'slurm', ...}).",
+                demand={"gpus_per_node": need},
+                supply={"gpus": have},
+            )
+
+    def app_for(self, spec: GroupSpec, env: Mapping[str, str]) -> Any:
+        """The torchx AppDef for ``spec`` (public so a dry run can show it)."""
+        nnodes, nproc = check_pool_shape(spec.pool)
+        port = self.config["rdzv_port"]
+        if port is None and nnodes > 1:
+            port = free_port() if self.scheduler in _LOCAL_SCHEDULERS else 29500
+        return app_for_pool(
+            spec.pool,
+            name=_app_name(spec.name_prefix),
+            env=env,
+            python=self.config["python"],
+            rdzv_port=port,
+            cpu=self.config["cpu_per_node"] or nproc,
+            mem_mb=self.config["mem_mb_per_node"] or 1024 * nproc,
+        )
+
+    def dryrun(self, spec: GroupSpec) -> Any:
+        """What torchx would submit for ``spec``, without starting anything (a ``AppDryRunInfo``)."""
+        check_pool_shape(spec.pool)
+        env = dict(spec.worker_env)
+        env.update({"PODIUM_TR_ADDR": "tcp://<controller>:<port>", "PODIUM_TR_GROUP": "dryrun"})
+        app = self.app_for(spec, env)
+        return dryrun(self.runner(), app, self.scheduler, self.config["scheduler_cfg"] or {})
+
+    # -- groups -----------------------------------------------------------------
+
+    def _start_group(self, spec: GroupSpec) -> BackendGroup:
+        check_pool_shape(spec.pool)
+        group = TorchrunGroup(spec, self.config)
+        group._closer = self._close_group
+        runner = self.runner()
+        timeout = float(self.config["start_timeout"])
+        try:
+            app = self.app_for(spec, group.worker_env())
+            info = dryrun(runner, app, self.scheduler, self.config["scheduler_cfg"] or {})
+            group.app_handle = runner.schedule(info)
+            self._groups.append(group)
+
+            def ended() -> str | None:
+                status = runner.status(group.app_handle)
+                if status is not None and status.state.name in _TERMINAL:
+                    return f"state {status.state.name}" + (f": {status.msg}" if status.msg else "")
+                return None
+
+            group.wait_started(ended, timeout)
+            group.init_workers(timeout)
+        except BaseException:
+            group.shutdown()
+            raise
+        return group
+
+    def _close_group(self, group: TorchrunGroup) -> None:
+        group.stop_workers(0)
+        handle = group.app_handle
+        if handle is not None:
+            runner = self.runner()
+            deadline = time.monotonic() + 5.0
+            state = None
+            while time.monotonic() < deadline:
+                try:
+                    status = runner.status(handle)
+                except Exception:  # noqa: BLE001 - a scheduler that cannot answer: cancel below
+                    break
+                state = status.state.name if status is not None else None
+                if state in _TERMINAL or status is None:
+                    break
+                time.sleep(0.05)
+            if state not in _TERMINAL:
+                try:
+                    runner.cancel(handle)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+        group.close_channel()
+        if group in self._groups:
+            self._groups.remove(group)
+
+    def _shutdown(self) -> None:
+        for group in list(self._groups):
+            group.shutdown()
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+
+
+def _app_name(prefix: str) -> str:
+    clean = "".join(c if c.isalnum() or c in "-_" else "-" for c in prefix).strip("-_") or "podium"
+    return f"podium-{clean}"[:40]

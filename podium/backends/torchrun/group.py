@@ -1,0 +1,457 @@
+"""One running group of torchrun-launched workers, as the controller sees it.
+
+The group owns its :class:`~podium.backends.torchrun.channel.ControlChannel`
+and the torchx app. Everything the workers send arrives on the channel's I/O
+thread (:meth:`TorchrunGroup._on_message`), which resolves futures, prints
+forwarded output with a rank prefix, and turns a supervisor's exit report or
+a missed heartbeat into :class:`~podium.errors.WorkerDiedError` for every
+pending and later call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from podium.backends.torchrun import wire
+from podium.backends.torchrun.channel import ControlChannel
+from podium.backends.torchrun.shm import SegmentMap, SegmentPool, shm_available, unlink_prefix
+from podium.core.backend import BackendGroup, GroupSpec, RankCall
+from podium.core.futures import RankFuture
+from podium.core.host import Outcome
+from podium.core.serialization import ensure_importable_by_value
+from podium.errors import CallTimeoutError, WorkerDiedError, WorkerStartupError
+
+__all__ = ["TorchrunFuture", "TorchrunGroup"]
+
+log = logging.getLogger("podium.torchrun")
+
+_TAIL_LINES = 40
+
+
+class TorchrunFuture(RankFuture):
+    """One rank's pending call; resolved by the group's I/O thread."""
+
+    def __init__(self, rank: int, method: str, deadline: float | None, timeout: float | None) -> None:
+        super().__init__(rank, method)
+        self._event = threading.Event()
+        self._outcome: Outcome | None = None
+        self._error: BaseException | None = None
+        self._deadline = deadline
+        self._timeout = timeout
+
+    def _resolve(self, outcome: Outcome) -> None:
+        self._outcome = outcome
+        self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        if not self._event.is_set():
+            self._error = error
+            self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = None) -> Any:
+        wait = timeout
+        if self._deadline is not None:
+            left = max(0.0, self._deadline - time.monotonic())
+            wait = left if wait is None else min(wait, left)
+        if not self._event.wait(wait):
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                raise CallTimeoutError(self.method, self._timeout or 0.0, [self.rank])
+            raise CallTimeoutError(self.method, timeout or 0.0, [self.rank])
+        if self._error is not None:
+            raise self._error
+        outcome = self._outcome
+        if outcome is None:  # cannot happen: the event is set with one of the two
+            raise RuntimeError(f"future of rank {self.rank} resolved without a result")
+        return outcome.unwrap()
+
+
+@dataclass
+class _Rank:
+    rank: int
+    pid: int | None = None
+    host: str | None = None
+    shm: bool = False
+    connected: bool = False
+    last_beat: float = 0.0
+    pending: dict[int, TorchrunFuture] = field(default_factory=dict)
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=_TAIL_LINES))
+    partial: dict[bytes, bytes] = field(default_factory=dict)
+    freed: list[str] = field(default_factory=list)  # worker segments the controller is done with
+    ready: Outcome | None = None
+
+
+class TorchrunGroup(BackendGroup):
+    """The controller's handle on one torchx app of podium workers."""
+
+    def __init__(self, spec: GroupSpec, config: dict[str, Any]) -> None:
+        self.spec = spec
+        self.config = config
+        self.world_size = spec.pool.world_size
+        self.worker_names = [f"{spec.name_prefix}:{r}" for r in range(self.world_size)]
+        self.gid = secrets.token_hex(4)
+        self._ranks = [_Rank(r) for r in range(self.world_size)]
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._call_ids = itertools.count()
+        self._dead: WorkerDiedError | None = None
+        self._stopping = False
+        self._started_at = time.monotonic()
+        self._beat_timeout = float(config["heartbeat_timeout"])
+        self._forward = bool(config["forward_output"])
+        self._segments = SegmentMap()
+        self._pool: SegmentPool | None = None
+        self._probe: str | None = None
+        if shm_available():
+            self._pool = SegmentPool(f"podium-{self.gid}-c-")
+            token = secrets.token_hex(16)
+            probe = f"podium-{self.gid}-probe"
+            with open(os.path.join("/dev/shm", probe), "w") as f:
+                f.write(token)
+            self._probe = f"{probe}:{token}"
+        host = config["controller_host"] or "127.0.0.1"
+        bind = config["bind_host"] or host
+        self.channel = ControlChannel(
+            bind_host=bind,
+            advertise_host=host,
+            on_message=self._on_message,
+            on_tick=self._on_tick,
+            name=f"podium-torchrun-{self.gid}",
+        )
+        self.channel.start()
+        self.app_handle: str | None = None
+        self._runner: Any = None
+
+    # -- environment for the workers ------------------------------------------
+
+    def worker_env(self) -> dict[str, str]:
+        env = dict(self.spec.worker_env)
+        env.update(self.channel.keys.worker_env())
+        env["PODIUM_TR_ADDR"] = self.channel.address
+        env["PODIUM_TR_GROUP"] = self.gid
+        env["PODIUM_TR_USE_GPU"] = "1" if self.spec.pool.use_gpu else "0"
+        env["PODIUM_TR_ORPHAN_TIMEOUT"] = str(self.config["orphan_timeout"])
+        env["PODIUM_TR_BEAT"] = "0.5"
+        if self._probe:
+            env["PODIUM_TR_SHM_PROBE"] = self._probe
+        return env
+
+    # -- start ------------------------------------------------------------------
+
+    def wait_started(self, status: Any, timeout: float) -> None:
+        """Wait until every rank said hello; ``status()`` reports the app ending early."""
+        deadline = time.monotonic() + timeout
+        next_status = 0.0
+        with self._changed:
+            while not all(r.connected for r in self._ranks):
+                if self._dead is not None:
+                    raise WorkerStartupError(
+                        f"a worker of group {self.spec.name_prefix!r} ended during start-up: {self._dead}",
+                        rank=self._dead.rank,
+                        log_tail=self._dead.log_tail,
+                    )
+                now = time.monotonic()
+                if now >= deadline:
+                    missing = [r.rank for r in self._ranks if not r.connected]
+                    raise WorkerStartupError(
+                        f"ranks {missing} of group {self.spec.name_prefix!r} did not connect to the "
+                        f"controller at {self.channel.address} within {timeout:g} s. If the workers run "
+                        "on other hosts, set backend_options={'controller_host': '<this host's address>'}; "
+                        "raise backend_options['start_timeout'] if the scheduler is slow.",
+                        log_tail=self._all_tails(),
+                    )
+                if now >= next_status:
+                    next_status = now + 0.5
+                    self._changed.release()
+                    try:
+                        ended = status()
+                    finally:
+                        self._changed.acquire()
+                    if ended:
+                        raise WorkerStartupError(
+                            f"the torchx app of group {self.spec.name_prefix!r} ended before every "
+                            f"worker connected ({ended})",
+                            log_tail=self._all_tails(),
+                        )
+                self._changed.wait(0.1)
+
+    def init_workers(self, timeout: float) -> None:
+        """Send the worker class to every rank; raise the first constructor error."""
+        cwi = self.spec.cls_with_init
+        _by_value(cwi)
+        enc = wire.encode(cwi)
+        for r in self._ranks:
+            desc, frames = wire.place(enc, self._pool if r.shm else None)
+            self.channel.send(b"w%d" % r.rank, [wire.INIT, wire.pack_meta(([desc], [])), *frames])
+        self._put_back(enc)
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not all(r.ready is not None for r in self._ranks):
+                if self._dead is not None:
+                    raise self._dead
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [r.rank for r in self._ranks if r.ready is None]
+                    raise WorkerStartupError(
+                        f"ranks {missing} did not finish constructing {cwi!r} within {timeout:g} s; "
+                        "raise backend_options['start_timeout'] if construction is slow",
+                        log_tail=self._all_tails(),
+                    )
+                self._changed.wait(min(left, 0.5))
+        for r in self._ranks:
+            if r.ready is not None:
+                r.ready.unwrap()
+
+    # -- calls --------------------------------------------------------------------
+
+    def submit(self, target: str, calls: Sequence[RankCall], *, timeout: float | None = None) -> list[RankFuture]:
+        if self._dead is not None:
+            raise self._dead
+        if getattr(self, "_podium_closed", False):
+            raise RuntimeError(f"group {self.spec.name_prefix!r} was shut down")
+        # Serialize each distinct object once per call, however many ranks get it.
+        encoded: dict[int, wire.Encoded] = {}
+        keep: list[Any] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        futures: list[RankFuture] = []
+        outgoing = []
+        for call in calls:
+            if not 0 <= call.rank < self.world_size:
+                raise ValueError(f"rank {call.rank} is not in this group (world size {self.world_size})")
+            state = self._ranks[call.rank]
+            objs: list[int] = []
+            index: dict[int, int] = {}
+
+            def slot(value: Any) -> int:
+                key = id(value)
+                if key not in encoded:
+                    encoded[key] = wire.encode(value)
+                    keep.append(value)
+                if key not in index:
+                    index[key] = len(objs)
+                    objs.append(key)
+                return index[key]
+
+            arg_index = [slot(a) for a in call.args]
+            kw_index = {k: slot(v) for k, v in call.kwargs.items()}
+            pool = self._pool if state.shm else None
+            descs = []
+            frames: list[Any] = []
+            for key in objs:
+                desc, fr = wire.place(encoded[key], pool)
+                descs.append(desc)
+                frames.extend(fr)
+            call_id = next(self._call_ids)
+            fut = TorchrunFuture(call.rank, target, deadline, timeout)
+            outgoing.append((state, call_id, fut, descs, arg_index, kw_index, frames))
+            futures.append(fut)
+        for enc in encoded.values():
+            self._put_back(enc)
+        with self._lock:
+            if self._dead is not None:
+                raise self._dead
+            for state, call_id, fut, *_ in outgoing:
+                state.pending[call_id] = fut
+        for state, call_id, _fut, descs, arg_index, kw_index, frames in outgoing:
+            with self._lock:
+                freed, state.freed = state.freed, []
+            meta = wire.pack_meta((call_id, target, descs, arg_index, kw_index, freed))
+            self.channel.send(b"w%d" % state.rank, [wire.CALL, meta, *frames])
+        return futures
+
+    def _put_back(self, enc: wire.Encoded) -> None:
+        if enc.shared is not None and self._pool is not None:
+            self._pool.put_back_if_unused(enc.shared[0])
+
+    # -- the I/O thread's handlers ------------------------------------------------
+
+    def _rank_of(self, identity: bytes) -> tuple[str, _Rank] | None:
+        try:
+            kind, rank = identity[:1], int(identity[1:])
+        except ValueError:
+            return None
+        if not 0 <= rank < self.world_size or kind not in (b"w", b"s"):
+            return None
+        return kind.decode(), self._ranks[rank]
+
+    def _on_message(self, identity: bytes, kind: bytes, frames: list[Any]) -> None:
+        who = self._rank_of(identity)
+        if who is None:
+            return
+        side, state = who
+        state.last_beat = time.monotonic()
+        if kind == wire.RESULT:
+            key, desc, released = wire.unpack_meta(frames[0].buffer)
+            if self._pool is not None and released:
+                self._pool.release(released)
+            with self._lock:
+                fut = state.pending.pop(key, None)
+            try:
+                (outcome,) = wire.decode_objects([desc], frames[1:], self._segments)
+            except Exception as exc:  # noqa: BLE001 - e.g. a class the controller cannot import
+                if fut is not None:
+                    fut._fail(exc)
+            else:
+                if fut is not None:
+                    fut._resolve(outcome)
+            self._collect_freed(state)
+        elif kind == wire.LOG:
+            self._print(state, frames[0].bytes, frames[1].bytes)
+        elif kind == wire.BEAT:
+            pass
+        elif kind == wire.HELLO:
+            info = wire.unpack_meta(frames[0].buffer)
+            with self._changed:
+                state.pid = info["pid"]
+                state.host = info["host"]
+                state.shm = bool(info["shm"]) and self._pool is not None
+                state.connected = True
+                self._changed.notify_all()
+        elif kind == wire.READY:
+            _key, desc, released = wire.unpack_meta(frames[0].buffer)
+            if self._pool is not None and released:
+                self._pool.release(released)
+            (outcome,) = wire.decode_objects([desc], frames[1:], self._segments)
+            with self._changed:
+                state.ready = outcome
+                self._changed.notify_all()
+        elif kind == wire.EXIT:
+            info = wire.unpack_meta(frames[0].buffer)
+            if self._stopping and info.get("exit_code") == 0:
+                return
+            tail = "\n".join(info.get("tail") or list(state.tail))
+            self._mark_dead(
+                WorkerDiedError(
+                    state.rank,
+                    exit_code=info.get("exit_code"),
+                    signal=info.get("signal"),
+                    log_tail=tail,
+                    detail=f"pid {state.pid} on {state.host}",
+                )
+            )
+
+    def _collect_freed(self, state: _Rank) -> None:
+        freed = self._segments.take_releases()
+        if freed:
+            # Segments live in the worker's pool; its prefix says whose.
+            by_rank: dict[int, list[str]] = {}
+            for name in freed:
+                owner = name.rsplit("-", 2)[-2]
+                if owner.startswith("w") and owner[1:].isdigit():
+                    by_rank.setdefault(int(owner[1:]), []).append(name)
+            with self._lock:
+                for rank, names in by_rank.items():
+                    if 0 <= rank < self.world_size:
+                        self._ranks[rank].freed.extend(names)
+
+    def _on_tick(self, now: float) -> None:
+        for r in self._ranks:
+            self.channel_send_direct(b"s%d" % r.rank, [wire.PING])
+        self._collect_freed(self._ranks[0])
+        for r in self._ranks:
+            if r.freed and r.connected:
+                with self._lock:
+                    freed, r.freed = r.freed, []
+                self.channel_send_direct(b"w%d" % r.rank, [wire.FREE, wire.pack_meta(freed)])
+        if self._dead is not None or self._stopping:
+            return
+        for r in self._ranks:
+            if r.connected and now - r.last_beat > self._beat_timeout:
+                self._mark_dead(
+                    WorkerDiedError(
+                        r.rank,
+                        log_tail="\n".join(r.tail),
+                        detail=(
+                            f"no heartbeat from pid {r.pid} on {r.host} for {self._beat_timeout:g} s "
+                            "(host lost, or the process and its supervisor were killed)"
+                        ),
+                    )
+                )
+                return
+
+    def channel_send_direct(self, identity: bytes, frames: list[Any]) -> None:
+        # Called on the I/O thread itself: queue; the loop flushes before it polls again.
+        self.channel._outbox.append((identity, frames))
+
+    def _mark_dead(self, error: WorkerDiedError) -> None:
+        with self._changed:
+            if self._dead is None:
+                self._dead = error
+            pending = [f for r in self._ranks for f in r.pending.values()]
+            for r in self._ranks:
+                r.pending.clear()
+            self._changed.notify_all()
+        for fut in pending:
+            fut._fail(self._dead)
+
+    def _print(self, state: _Rank, stream: bytes, data: bytes) -> None:
+        text = state.partial.get(stream, b"") + data
+        *lines, state.partial[stream] = text.split(b"\n")
+        out = sys.stdout if stream == b"1" else sys.stderr
+        prefix = f"[rank {state.rank}] "
+        chunk = []
+        for line in lines:
+            decoded = line.decode(errors="replace")
+            state.tail.append(decoded)
+            chunk.append(prefix + decoded + "\n")
+        if self._forward and chunk:
+            try:
+                out.write("".join(chunk))
+                out.flush()
+            except (ValueError, OSError):
+                pass
+
+    def _all_tails(self) -> str:
+        parts = []
+        for r in self._ranks:
+            if r.tail:
+                parts.append("\n".join(f"[rank {r.rank}] {line}" for line in r.tail))
+        return "\n".join(parts)
+
+    # -- shutdown -----------------------------------------------------------------------
+
+    def stop_workers(self, wait: float) -> None:
+        """Ask every worker to exit and wait (up to ``wait`` s) for their supervisors' reports."""
+        self._stopping = True
+        for r in self._ranks:
+            self.channel.send(b"w%d" % r.rank, [wire.STOP])
+        if self._dead is None:
+            self._mark_dead(WorkerDiedError(None, detail="the group was shut down"))
+
+    def close_channel(self) -> None:
+        self.channel.close()
+        self._segments.close()
+        if self._pool is not None:
+            self._pool.close()
+        unlink_prefix(f"podium-{self.gid}-")
+
+    def _shutdown(self) -> None:
+        # The backend owns the torchx app; it registered itself as the closer.
+        closer = getattr(self, "_closer", None)
+        if closer is not None:
+            closer(self)
+        else:
+            self.stop_workers(0)
+            self.close_channel()
+
+
+def _by_value(cwi: Any) -> None:
+    """Let the worker class (and colocated roles' classes) travel by value when they must."""
+    ensure_importable_by_value(cwi.cls)
+    for value in (*cwi.args, *cwi.kwargs.values()):
+        if isinstance(value, dict):
+            for sub in value.values():
+                if hasattr(sub, "cls") and hasattr(sub, "args"):
+                    _by_value(sub)

@@ -1,0 +1,174 @@
+"""Turning a pool into a torchx app that runs torchrun, and running it.
+
+A pool ``[n, n, ...]`` (``k`` entries) becomes one torchx role with ``k``
+replicas, each running ``torchrun --nnodes k --nproc-per-node n`` with c10d
+rendezvous -- the shape of torchx's ``dist.ddp`` component -- and torchrun
+runs podium's worker entry point. torchrun must run the same number of
+processes on every node, so a pool with unequal entries is refused.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torchx.runner import Runner
+    from torchx.specs import AppDef
+
+    from podium.core.resource import ResourcePool
+
+__all__ = ["WORKER_MODULE", "app_for_pool", "check_pool_shape", "free_port", "make_runner"]
+
+WORKER_MODULE = "podium.backends.torchrun.worker"
+ROLE_NAME = "podium"
+
+
+def check_pool_shape(pool: ResourcePool) -> tuple[int, int]:
+    """``(nnodes, nproc_per_node)`` of ``pool``, or a ``ValueError`` saying how to fix it."""
+    nodes = pool.process_on_nodes
+    if len(set(nodes)) != 1:
+        raise ValueError(
+            f"the torchrun backend runs the same number of processes on every node "
+            f"(torchrun's --nproc-per-node), but this pool asks for {nodes}. Use a pool whose "
+            f"entries are equal (e.g. ResourcePool([{max(nodes)}] * {len(nodes)})), or one group "
+            "per distinct node size."
+        )
+    return len(nodes), nodes[0]
+
+
+def visible_devices(pool: ResourcePool) -> str | None:
+    """The ``CUDA_VISIBLE_DEVICES`` each node of ``pool`` needs, or ``None`` for a whole pool.
+
+    A pool split out of a larger one owns only some slots of each node; its
+    ranks must see those devices only. Every node must own the same slots, since
+    a torchx role has one environment for all its replicas.
+    """
+    if not pool.use_gpu or pool.is_root:
+        return None
+    per_node: dict[tuple[int, int], list[int]] = {}
+    for slot in pool.slots:
+        per_node.setdefault((slot.root.uid, slot.node), []).append(slot.local)
+    lists = {tuple(v) for v in per_node.values()}
+    if len(lists) != 1:
+        raise ValueError(
+            f"this split pool holds different GPU slots on different nodes ({sorted(lists)}); the "
+            "torchrun backend gives every node one CUDA_VISIBLE_DEVICES. Split the pool on node "
+            "boundaries or so that every node keeps the same slots."
+        )
+    return ",".join(str(i) for i in lists.pop())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def app_for_pool(
+    pool: ResourcePool,
+    *,
+    name: str,
+    env: Mapping[str, str],
+    python: str | None = None,
+    rdzv_port: int | None = None,
+    cpu: int = 1,
+    mem_mb: int = 1024,
+    gpus_per_node: int | None = None,
+) -> AppDef:
+    """The torchx app that starts ``pool``'s ranks."""
+    from torchx import specs
+
+    nnodes, nproc = check_pool_shape(pool)
+    role_env = dict(env)
+    devices = visible_devices(pool)
+    if devices is not None:
+        role_env["CUDA_VISIBLE_DEVICES"] = devices
+    role_env.setdefault("LOGLEVEL", "WARNING")
+    if nnodes == 1:
+        endpoint = "localhost:0"  # one agent: let it pick a free port
+    else:
+        port = rdzv_port or 29500
+        # The scheduler names rank 0's host in this variable (torchx macro); "$$" escapes torchx's template.
+        endpoint = f"$${{{specs.macros.rank0_env}:=localhost}}:{port}"
+    interpreter = python or sys.executable
+    cmd = [
+        shlex.quote(interpreter),
+        "-m",
+        "torch.distributed.run",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        specs.macros.app_id,
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        "0",
+        "--role",
+        ROLE_NAME,
+        "-m",
+        WORKER_MODULE,
+    ]
+    gpus = 0
+    if pool.use_gpu:
+        gpus = nproc if gpus_per_node is None else gpus_per_node
+    return specs.AppDef(
+        name=name,
+        roles=[
+            specs.Role(
+                name=ROLE_NAME,
+                image=".",
+                entrypoint="bash",
+                args=["-c", " ".join(cmd)],
+                num_replicas=nnodes,
+                resource=specs.Resource(cpu=cpu, gpu=gpus, memMB=mem_mb),
+                env=role_env,
+                port_map={"c10d": rdzv_port or 29500},
+                max_retries=0,
+            )
+        ],
+    )
+
+
+_signal_lock = threading.Lock()
+
+
+def make_runner() -> Runner:
+    """A torchx runner; creating it leaves the controller's signal handlers alone."""
+    from torchx.runner import get_runner
+
+    return get_runner()
+
+
+def dryrun(runner: Runner, app: AppDef, scheduler: str, cfg: Mapping[str, Any]) -> Any:
+    # torchx's local scheduler installs SIGTERM/SIGINT handlers that raise its own
+    # exception when it is first created; podium's controller keeps the user's.
+    with _signal_lock:
+        saved = _save_signals()
+        try:
+            return runner.dryrun(app, scheduler, cfg=dict(cfg))
+        finally:
+            _restore_signals(saved)
+
+
+def _save_signals() -> dict[int, Any] | None:
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _restore_signals(saved: dict[int, Any] | None) -> None:
+    if saved is None:
+        return
+    for sig, handler in saved.items():
+        if handler is not None:
+            signal.signal(sig, handler)

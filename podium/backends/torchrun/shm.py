@@ -1,0 +1,238 @@
+"""Shared-memory segments for bulk data between processes on one host.
+
+The socket path copies every byte through the kernel twice and allocates
+fresh buffers on both sides; for tensors of tens of MiB that is slower than
+the work itself. Processes on the controller's host instead exchange data
+through files in ``/dev/shm``:
+
+- the **owner** (the side that writes the data) takes a segment from its
+  :class:`SegmentPool`, copies the message's buffers into it once, and sends
+  only ``(segment, offset, length)`` references over the socket;
+- the **reader** maps the segment once (:class:`SegmentMap`) and builds
+  tensors directly on the mapping, without a copy;
+- when every tensor built on a message's part of a segment is gone, the
+  reader tells the owner (a *release*, piggybacked on its next message) and
+  the owner reuses the segment for a later message.
+
+Segments are reused, so after warm-up a call makes no fresh allocation and
+no page faults. Names start with the group's prefix so that whoever outlives
+a crashed process can remove them (:func:`unlink_prefix`).
+"""
+
+from __future__ import annotations
+
+import glob
+import mmap
+import os
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+__all__ = ["SHM_DIR", "Segment", "SegmentMap", "SegmentPool", "shm_available", "unlink_prefix"]
+
+SHM_DIR = "/dev/shm"
+_ALIGN = 64
+_MIN_SEGMENT = 1 << 20
+
+
+def shm_available() -> bool:
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+def align(n: int) -> int:
+    return (n + _ALIGN - 1) & ~(_ALIGN - 1)
+
+
+def unlink_prefix(prefix: str) -> None:
+    """Remove every segment whose name starts with ``prefix`` (crash clean-up)."""
+    for path in glob.glob(os.path.join(SHM_DIR, glob.escape(prefix) + "*")):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+class Segment:
+    """One owned segment: a ``/dev/shm`` file mapped read-write."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.size = size
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # Allocate the pages now: a full tmpfs then fails here with ENOSPC
+            # instead of killing the process with SIGBUS on a later write.
+            os.posix_fallocate(fd, 0, size)
+            self.map = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        self.view = memoryview(self.map)
+        self.refs = 0
+
+    def close(self) -> None:
+        self.view.release()
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # a tensor still lives on it; the mapping goes when the process does
+        try:
+            os.unlink(os.path.join(SHM_DIR, self.name))
+        except OSError:
+            pass
+
+
+class SegmentPool:
+    """Segments this process writes into, reused once the reader released them.
+
+    ``acquire(nbytes)`` hands out a free segment at least that large (or makes
+    one); every reference sent to a reader holds it (``hold``) until the
+    reader's release arrives (``release``). Thread-safe.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._lock = threading.Lock()
+        self._free: list[Segment] = []
+        self._by_name: dict[str, Segment] = {}
+        self._count = 0
+        self._closed = False
+
+    def acquire(self, nbytes: int) -> Segment:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("shared-memory pool is closed")
+            best = None
+            for seg in self._free:
+                if seg.size >= nbytes and (best is None or seg.size < best.size):
+                    best = seg
+            if best is not None and best.size <= 4 * max(nbytes, _MIN_SEGMENT):
+                self._free.remove(best)
+                return best
+            size = max(_MIN_SEGMENT, 1 << (max(nbytes, 1) - 1).bit_length())
+            seg = Segment(f"{self.prefix}{self._count}", size)
+            self._count += 1
+            self._by_name[seg.name] = seg
+            return seg
+
+    def hold(self, seg: Segment, count: int = 1) -> None:
+        with self._lock:
+            seg.refs += count
+
+    def put_back_if_unused(self, seg: Segment) -> None:
+        with self._lock:
+            if seg.refs == 0 and seg not in self._free and not self._closed:
+                self._free.append(seg)
+
+    def release(self, names: list[str]) -> None:
+        with self._lock:
+            for name in names:
+                seg = self._by_name.get(name)
+                if seg is None:
+                    continue
+                seg.refs -= 1
+                if seg.refs <= 0:
+                    seg.refs = 0
+                    if not self._closed:
+                        self._free.append(seg)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            segs = list(self._by_name.values())
+            self._by_name.clear()
+            self._free.clear()
+        for seg in segs:
+            seg.close()
+
+
+def write_buffers(seg: Segment, buffers: list[memoryview]) -> list[tuple[int, int]]:
+    """Copy ``buffers`` into ``seg`` back to back (aligned); return their (offset, length)."""
+    places = []
+    off = 0
+    for buf in buffers:
+        n = buf.nbytes
+        seg.view[off : off + n] = buf
+        places.append((off, n))
+        off = align(off + n)
+    return places
+
+
+def packed_size(buffers: list[memoryview]) -> int:
+    return sum(align(b.nbytes) for b in buffers)
+
+
+class SegmentMap:
+    """Segments another process owns, mapped here on first use.
+
+    ``views(name, places)`` returns writable numpy arrays over the given parts
+    of segment ``name``. They share one base array; when the last object built
+    on any of them is garbage, ``on_release(name)`` is queued (see
+    :meth:`take_releases`) so the owner may reuse the segment.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[str, mmap.mmap] = {}
+        self._released: deque[str] = deque()
+        self._lock = threading.Lock()
+
+    def _map(self, name: str) -> mmap.mmap:
+        m = self._maps.get(name)
+        if m is None:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+            try:
+                m = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            self._maps[name] = m
+        return m
+
+    def views(self, name: str, places: list[tuple[int, int]]) -> list[np.ndarray]:
+        with self._lock:
+            m = self._map(name)
+        if not places:
+            self._released.append(name)
+            return []
+        start = min(off for off, _ in places)
+        end = max(off + n for off, n in places)
+        base = np.frombuffer(m, dtype=np.uint8, count=end - start, offset=start)
+        weakref.finalize(base, self._released.append, name)
+        return [base[off - start : off - start + n] for off, n in places]
+
+    def take_releases(self) -> list[str]:
+        out = []
+        while True:
+            try:
+                out.append(self._released.popleft())
+            except IndexError:
+                return out
+
+    def address_of(self, buf: memoryview) -> tuple[str, int] | None:
+        """If ``buf`` lies inside a mapped segment, its (name, offset) there."""
+        if not self._maps:
+            return None
+        addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data if buf.nbytes else 0
+        for name, m in list(self._maps.items()):
+            base = np.frombuffer(m, dtype=np.uint8).ctypes.data
+            if base <= addr and addr + buf.nbytes <= base + len(m):
+                return name, addr - base
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            maps = list(self._maps.values())
+            self._maps.clear()
+        for m in maps:
+            try:
+                m.close()
+            except BufferError:
+                pass
+
+
+ReleaseSink = Callable[[list[str]], None]
