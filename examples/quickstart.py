@@ -13,7 +13,15 @@ import time
 
 import torch
 
-from podium import ClassWithInitArgs, DataProto, Dispatch, ResourcePool, Worker, WorkerGroup, register
+from podium import (
+    ClassWithInitArgs,
+    DataProto,
+    Dispatch,
+    ResourcePool,
+    Worker,
+    WorkerGroup,
+    register,
+)
 
 
 class Scorer(Worker):

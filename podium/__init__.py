@@ -5,12 +5,29 @@ The same trainer runs on Ray or on torchrun/torchx by changing one setting
 modules under ``podium.core`` are internal and may change.
 """
 
-from podium.core.backend import Backend, BackendGroup, Capabilities, available_backends, load_backend
-from podium.core.decorator import Dispatch, Execute, register, register_dispatch_mode, update_dispatch_mode
+from podium.core.backend import (
+    Backend,
+    BackendGroup,
+    Capabilities,
+    available_backends,
+    load_backend,
+)
+from podium.core.decorator import (
+    Dispatch,
+    Execute,
+    register,
+    register_dispatch_mode,
+    update_dispatch_mode,
+)
 from podium.core.dispatch import make_nd_compute_dataproto_dispatch_fn
 from podium.core.futures import DataProtoFuture, RankFuture, get
 from podium.core.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
-from podium.core.resource import ResourcePool, ResourcePoolManager, merge_resource_pool, split_resource_pool
+from podium.core.resource import (
+    ResourcePool,
+    ResourcePoolManager,
+    merge_resource_pool,
+    split_resource_pool,
+)
 from podium.core.worker import ClassWithInitArgs, Worker, create_colocated_worker_cls
 from podium.core.worker_group import WorkerGroup
 from podium.errors import (

@@ -179,7 +179,7 @@ _dual_classes: dict[type, type] = {}
 _dual_lock = threading.Lock()
 
 
-def _dual_class(cause_type: type[BaseException]) -> type:
+def _dual_class(cause_type: type[BaseException]) -> type[RemoteError]:
     with _dual_lock:
         cls = _dual_classes.get(cause_type)
         if cls is None:
@@ -211,7 +211,7 @@ def make_remote_error(
         cls = _dual_class(type(cause))
         # Build without calling the user's __init__ (its signature is unknown),
         # then carry over its state so fields and args read as on the worker.
-        err = cls.__new__(cls)
+        err: RemoteError = cls.__new__(cls)
         try:
             err.__dict__.update(cause.__dict__)
         except AttributeError:

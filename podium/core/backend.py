@@ -191,7 +191,7 @@ class Backend(ABC):
 
     # -- resources ---------------------------------------------------------
 
-    def check_resources(self, pools: Sequence[ResourcePool]) -> None:
+    def check_resources(self, pools: Sequence[ResourcePool]) -> None:  # noqa: B027 - optional hook
         """Raise :class:`podium.errors.ResourceUnavailableError` if the cluster can never hold ``pools``.
 
         Must answer fast (seconds) and start nothing. The default accepts everything.
@@ -236,7 +236,7 @@ class Backend(ABC):
         self._closed = True
         self._shutdown()
 
-    def _shutdown(self) -> None:
+    def _shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release backend-wide resources. Groups are shut down by their owners first."""
 
 
@@ -288,7 +288,7 @@ def backend_class(name: str) -> type[Backend]:
     from stevedore.exception import NoMatches
 
     try:
-        manager = DriverManager(namespace=ENTRY_POINT_GROUP, name=name, invoke_on_load=False)
+        manager: Any = DriverManager(namespace=ENTRY_POINT_GROUP, name=name, invoke_on_load=False)
     except NoMatches:
         loaded, failed = _load_failures()
         close = difflib.get_close_matches(name, _entry_point_names() + list(KNOWN_EXTRAS), n=1)

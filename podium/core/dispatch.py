@@ -95,7 +95,7 @@ def _pad(x: Any, divisor: int) -> Any:
 def _chunk(x: Any, chunks: int) -> list[Any]:
     if isinstance(x, (DataProto, DataProtoFuture)):
         return list(x.chunk(chunks))
-    return list(x.split(_length(x) // chunks, dim=0))
+    return list(x.split((_length(x) or 0) // chunks, dim=0))
 
 
 def _split_sizes(x: Any, sizes: Sequence[int]) -> list[Any]:
@@ -120,7 +120,7 @@ def unpad(x: Any, pad: int) -> Any:
     if isinstance(x, DataProto):
         return unpad_dataproto(x, pad)
     if isinstance(x, TensorDictBase):
-        return x[: _length(x) - pad]
+        return x[: (_length(x) or 0) - pad]
     return x
 
 
@@ -138,7 +138,7 @@ def _shard(
             f"{mode} needs at least one DataProto or TensorDict argument to split over {shards} "
             "ranks; use Dispatch.ONE_TO_ALL to send the same arguments to every rank"
         )
-    lengths = {_length(d) for d in data} - {None}
+    lengths = {n for n in (_length(d) for d in data) if n is not None}
     if len(lengths) > 1:
         raise DispatchError(f"{mode}: data arguments have different batch sizes {sorted(lengths)}; they must match")
     pad = 0
@@ -223,7 +223,7 @@ def dispatch_dp_compute_metric(
     """
     n = wg.world_size
     data = _data_args(args, kwargs)
-    lengths = {_length(d) for d in data} - {None}
+    lengths = {n for n in (_length(d) for d in data) if n is not None}
     if len(lengths) == 1:
         (size,) = lengths
         if size % n and any(_auto_padding(d) for d in data):

@@ -113,7 +113,7 @@ class WorkerHost:
         """Build a host, capturing a failing user constructor as an :class:`Outcome`."""
         try:
             return cls(info, cls_with_init), Outcome(True, None)
-        except BaseException as exc:  # noqa: BLE001 - the user's constructor may raise anything
+        except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             return None, Outcome(False, RemoteFailure.capture(exc, info.rank, "__init__"))
@@ -141,7 +141,7 @@ class WorkerHost:
             if inspect.isawaitable(result):
                 result = self._run_async(result)
             return Outcome(True, result)
-        except BaseException as exc:  # noqa: BLE001 - user code may raise anything
+        except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             return Outcome(False, RemoteFailure.capture(exc, self.info.rank, target))

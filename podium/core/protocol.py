@@ -621,7 +621,7 @@ class DataProto:
                 raise TypeError(f"concat: item {i} is a {type(part).__name__}, not a DataProto")
         meta: dict[str, Any] = {}
         metrics: list[Any] = []
-        for i, part in enumerate(parts):
+        for part in parts:
             for key, value in part.meta_info.items():
                 if key == "metrics" and _is_metrics(value):
                     metrics.extend(value if isinstance(value, list) else [value])

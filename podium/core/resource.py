@@ -149,7 +149,7 @@ def split_resource_pool(pool: ResourcePool, split_size: int | Sequence[int]) -> 
             )
         sizes = [split_size] * (world // split_size)
     else:
-        sizes = list(split_size)
+        sizes = [int(s) for s in split_size]  # type: ignore[union-attr]
         if any(not isinstance(s, int) or s <= 0 for s in sizes) or sum(sizes) != world:
             raise ValueError(
                 f"split sizes {sizes} must be positive ints adding up to the pool's world size {world}"

@@ -53,7 +53,7 @@ def _tensor_reduce(t: torch.Tensor) -> Any:
     if t.numel() == 0:
         return (_rebuild_tensor, (b"", t.dtype, tuple(t.shape)))
     raw = t.reshape(-1).view(torch.uint8).numpy()
-    return (_rebuild_tensor, (pickle.PickleBuffer(raw), t.dtype, tuple(t.shape)))
+    return (_rebuild_tensor, (pickle.PickleBuffer(raw), t.dtype, tuple(t.shape)))  # type: ignore[arg-type]
 
 
 def _importable_as_is(obj: Any) -> bool:

@@ -104,7 +104,7 @@ class WorkerGroup:
         )
         group = self._backend.start_group(spec)
         self._setup(group, cls_with_init, role=None, call_timeout=call_timeout, owner=None)
-        self.resource_pool = resource_pool
+        self.resource_pool: ResourcePool | None = resource_pool
         self.name_prefix = spec.name_prefix
 
     def _setup(

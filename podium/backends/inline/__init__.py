@@ -50,6 +50,7 @@ class InlineGroup(BackendGroup):
             if host is None:
                 self._shutdown()
                 outcome.unwrap()
+                return
             self._hosts.append(host)
 
     def submit(self, target: str, calls: Sequence[RankCall], *, timeout: float | None = None) -> list[RankFuture]:

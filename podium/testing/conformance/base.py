@@ -21,7 +21,13 @@ from typing import Any, ClassVar
 
 import pytest
 
-from podium import ClassWithInitArgs, ResourcePool, WorkerGroup, create_colocated_worker_cls, load_backend
+from podium import (
+    ClassWithInitArgs,
+    ResourcePool,
+    WorkerGroup,
+    create_colocated_worker_cls,
+    load_backend,
+)
 from podium.core.backend import Backend, backend_class
 from podium.testing.conformance.workers import ActorRole, ConformanceWorker, CriticRole, MeshWorker
 
