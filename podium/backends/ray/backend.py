@@ -1,0 +1,328 @@
+"""The Ray backend: pools become placement groups, ranks become actors.
+
+Connection: an already initialized Ray is used as it is; otherwise
+``backend_options["address"]`` or ``RAY_ADDRESS`` is connected to; otherwise a
+local Ray is started for the user (token authentication stays on, as Ray sets
+it). That local Ray is given at least ``LOCAL_MIN_CPUS`` logical CPUs, because
+CPU workers on one host are routinely oversubscribed (tests run eight CPU
+workers on two cores); a cluster podium did not start is taken as it is.
+
+Each actor takes ``1 / max_colocate_count`` of its bundle (CPUs and GPU), so
+as many groups as the pool allows share its slots, and Ray gives each rank its
+own ``CUDA_VISIBLE_DEVICES``. Actors are named ``{name_prefix}_{rank}`` in the
+backend's namespace, which is how ``WorkerGroup.attach`` finds them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from podium.backends.ray import wire
+from podium.backends.ray.actor import RankActor
+from podium.backends.ray.futures import RayRankFuture, died_error
+from podium.backends.ray.group import RayGroup
+from podium.backends.ray.placement import (
+    STRATEGIES,
+    alive_nodes,
+    check_feasible,
+    demands_of,
+    reserve,
+)
+from podium.core.backend import Backend, BackendOption, Capabilities, GroupSpec
+from podium.core.resource import ResourcePool
+from podium.core.serialization import ensure_importable_by_value
+from podium.core.worker import ClassWithInitArgs, ColocatedWorker, RankInfo
+from podium.errors import CallTimeoutError, WorkerDiedError, WorkerStartupError
+
+__all__ = ["RayBackend"]
+
+LOCAL_MIN_CPUS = 64
+
+
+class RayBackend(Backend):
+    """Ray actors in placement groups, data through the object store."""
+
+    name = "ray"
+    capabilities = Capabilities(
+        process_group=True,
+        multi_node=True,
+        gpu=True,
+        fractional_colocation=True,
+        named_workers=True,
+        worker_to_worker_futures=True,
+        call_timeout=True,
+        detects_dead_workers=True,
+        worker_env=True,
+    )
+    options = (
+        BackendOption(
+            "address",
+            str,
+            None,
+            "Ray cluster to connect to (default: $RAY_ADDRESS, else start a local Ray)",
+        ),
+        BackendOption(
+            "num_cpus",
+            int,
+            None,
+            f"logical CPUs of a local Ray podium starts (default: max(cores, {LOCAL_MIN_CPUS}))",
+        ),
+        BackendOption(
+            "num_gpus", int, None, "logical GPUs of a local Ray podium starts (default: detected)"
+        ),
+        BackendOption("namespace", str, "podium", "Ray namespace of the named worker actors"),
+        BackendOption(
+            "placement_strategy",
+            str,
+            "STRICT_PACK",
+            f"placement group strategy per node entry: {', '.join(STRATEGIES)}",
+        ),
+        BackendOption("cpus_per_worker", (int, float), 1, "CPUs in each pool slot's bundle"),
+        BackendOption(
+            "placement_timeout",
+            (int, float),
+            60.0,
+            "seconds to wait for a busy cluster to free a pool's resources",
+        ),
+        BackendOption(
+            "startup_timeout",
+            (int, float),
+            300.0,
+            "seconds for every rank's process and constructor to start",
+        ),
+        BackendOption(
+            "runtime_env",
+            dict,
+            None,
+            "Ray runtime_env for the worker actors (worker_env is merged into env_vars)",
+        ),
+        BackendOption(
+            "detached", bool, False, "actors outlive the controller (shut them down yourself)"
+        ),
+        BackendOption(
+            "init_kwargs",
+            dict,
+            None,
+            "extra ray.init() arguments (default include_dashboard=False)",
+        ),
+    )
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        cfg = self.config
+        if cfg["placement_strategy"] not in STRATEGIES:
+            raise ValueError(
+                f"backend option placement_strategy must be one of {STRATEGIES}, got {cfg['placement_strategy']!r}"
+            )
+        for key in ("cpus_per_worker", "placement_timeout", "startup_timeout"):
+            if cfg[key] <= 0:
+                raise ValueError(f"backend option {key} must be > 0, got {cfg[key]!r}")
+        self._started_ray = False
+        self._groups: weakref.WeakSet[RayGroup] = weakref.WeakSet()
+
+    # -- cluster -------------------------------------------------------------
+
+    def _connect(self) -> None:
+        if ray.is_initialized():
+            return
+        kwargs: dict[str, Any] = {"include_dashboard": False, **(self.config["init_kwargs"] or {})}
+        address = self.config["address"] or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, **kwargs)
+            return
+        kwargs.setdefault(
+            "num_cpus", self.config["num_cpus"] or max(os.cpu_count() or 1, LOCAL_MIN_CPUS)
+        )
+        if self.config["num_gpus"] is not None:
+            kwargs.setdefault("num_gpus", self.config["num_gpus"])
+        ray.init(**kwargs)
+        self._started_ray = True
+
+    def check_resources(self, pools: Sequence[ResourcePool]) -> None:
+        self._connect()
+        check_feasible(
+            demands_of(
+                pools, float(self.config["cpus_per_worker"]), self.config["placement_strategy"]
+            ),
+            alive_nodes(),
+        )
+
+    # -- groups --------------------------------------------------------------
+
+    def _start_group(self, spec: GroupSpec) -> RayGroup:
+        self._connect()
+        _make_importable(spec.cls_with_init)
+        pool = spec.pool
+        places, release = reserve(
+            pool,
+            cpus_per_worker=float(self.config["cpus_per_worker"]),
+            strategy=self.config["placement_strategy"],
+            timeout=float(self.config["placement_timeout"]),
+        )
+        deadline = time.monotonic() + float(self.config["startup_timeout"])
+        actors: list[Any] = []
+        names = [f"{spec.name_prefix}_{rank}" for rank in range(pool.world_size)]
+        try:
+            share = 1.0 / pool.max_colocate_count
+            base: dict[str, Any] = {
+                "num_cpus": float(self.config["cpus_per_worker"]) * share,
+                "num_gpus": share if pool.use_gpu else 0,
+                "namespace": self.config["namespace"],
+                "max_concurrency": 1,
+            }
+            runtime_env = _runtime_env(self.config["runtime_env"], spec.worker_env)
+            if runtime_env:
+                base["runtime_env"] = runtime_env
+            if self.config["detached"]:
+                base["lifetime"] = "detached"
+            for rank, place in enumerate(places):
+                strategy = PlacementGroupSchedulingStrategy(
+                    place.pg,
+                    placement_group_bundle_index=place.bundle,
+                    placement_group_capture_child_tasks=False,
+                )
+                try:
+                    actors.append(
+                        RankActor.options(
+                            name=names[rank], scheduling_strategy=strategy, **base
+                        ).remote()
+                    )
+                except ValueError as exc:
+                    if "already" in str(exc):
+                        raise ValueError(
+                            f"worker name {names[rank]!r} is taken in Ray namespace {self.config['namespace']!r}: "
+                            "another group with this name_prefix is running. Choose another name_prefix, "
+                            "or reach the running group with WorkerGroup.attach()."
+                        ) from None
+                    raise
+            ip, port = self._wait_start([actors[0].where.remote()], [0], deadline)[0]
+            local_ranks = pool.local_rank_list()
+            local_sizes = pool.local_world_size_list()
+            node_ranks = [n for n, count in enumerate(pool.store) for _ in range(count)]
+            cls_payload = wire.encode(spec.cls_with_init)
+            refs = []
+            for rank, actor in enumerate(actors):
+                info = RankInfo(
+                    rank=rank,
+                    world_size=pool.world_size,
+                    local_rank=local_ranks[rank],
+                    local_world_size=local_sizes[rank],
+                    node_rank=node_ranks[rank],
+                    master_addr=ip,
+                    master_port=port,
+                )
+                env = {
+                    **spec.worker_env,
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(pool.world_size),
+                    "LOCAL_RANK": str(local_ranks[rank]),
+                    "LOCAL_WORLD_SIZE": str(local_sizes[rank]),
+                    "MASTER_ADDR": ip,
+                    "MASTER_PORT": str(port),
+                }
+                refs.append(actor.setup.remote(info, env, cls_payload))
+            for payload in self._wait_start(refs, list(range(len(actors))), deadline):
+                wire.decode(payload).unwrap()  # a failing user constructor raises here, as itself
+        except BaseException:
+            for actor in actors:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:
+                    pass
+            release()
+            raise
+        group = RayGroup(actors, names, owner=True, release=release)
+        self._groups.add(group)
+        return group
+
+    def _wait_start(self, refs: list[Any], ranks: list[int], deadline: float) -> list[Any]:
+        """Raw results of start-up calls; a rank that cannot start is a WorkerStartupError."""
+        futures = [RayRankFuture(ref, rank, "__start__") for ref, rank in zip(refs, ranks)]
+        timeout = max(0.0, deadline - time.monotonic())
+        try:
+            _gather_raw(futures, timeout)
+        except CallTimeoutError as exc:
+            raise WorkerStartupError(
+                f"ranks {exc.ranks} did not start within startup_timeout={self.config['startup_timeout']:g} s "
+                "(their actors are still pending: the cluster may lack resources, or a runtime_env is slow "
+                "to build). Raise backend_options startup_timeout=SECONDS if this is expected.",
+                rank=exc.ranks[0] if exc.ranks else None,
+            ) from None
+        except WorkerDiedError as exc:
+            raise WorkerStartupError(
+                f"rank {exc.rank} could not start: {exc}", rank=exc.rank
+            ) from None
+        return [ray.get(r) for r in refs]
+
+    def attach_group(self, name_prefix: str) -> RayGroup:
+        self._connect()
+        namespace = self.config["namespace"]
+        pattern = re.compile(re.escape(name_prefix) + r"_(\d+)")
+        ranks: dict[int, str] = {}
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            m = pattern.fullmatch(entry["name"])
+            if entry["namespace"] == namespace and m:
+                ranks[int(m.group(1))] = entry["name"]
+        if not ranks or sorted(ranks) != list(range(len(ranks))):
+            prefixes = sorted(
+                {
+                    e["name"].rsplit("_", 1)[0]
+                    for e in ray.util.list_named_actors(all_namespaces=True)
+                    if e["namespace"] == namespace
+                }
+            )
+            raise LookupError(
+                f"no complete running podium group named {name_prefix!r} in Ray namespace {namespace!r} "
+                f"(ranks found: {sorted(ranks)}). Running groups there: {prefixes or 'none'}. "
+                "Pass the name_prefix the group was started with, and the same backend_options namespace."
+            )
+        names = [ranks[r] for r in range(len(ranks))]
+        actors = [ray.get_actor(n, namespace=namespace) for n in names]
+        return RayGroup(actors, names, owner=False)
+
+    def _shutdown(self) -> None:
+        for group in list(self._groups):
+            group.shutdown()
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def _gather_raw(futures: list[RayRankFuture], timeout: float) -> None:
+    """Wait for start-up calls; a rank whose actor died fails the wait at once."""
+    deadline = time.monotonic() + timeout
+    rank_of = {f.ref: f.rank for f in futures}
+    pending = list(rank_of)
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CallTimeoutError(futures[0].method, timeout, [rank_of[r] for r in pending])
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(0.2, left))
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as exc:
+                raise died_error(rank_of[ref], exc) from None
+
+
+def _runtime_env(base: dict[str, Any] | None, worker_env: dict[str, str] | Any) -> dict[str, Any]:
+    env = dict(base or {})
+    if worker_env:
+        env["env_vars"] = {**env.get("env_vars", {}), **dict(worker_env)}
+    return env
+
+
+def _make_importable(cwa: ClassWithInitArgs[Any]) -> None:
+    """User classes from test files or scripts' sibling modules travel by value."""
+    ensure_importable_by_value(cwa.cls)
+    if cwa.cls is ColocatedWorker and cwa.args:
+        for role in dict(cwa.args[0]).values():
+            if isinstance(role, ClassWithInitArgs):
+                _make_importable(role)

@@ -1,0 +1,145 @@
+"""The Ray backend's per-rank future: one ``ObjectRef`` holding one rank's encoded outcome.
+
+It pickles (into another group's call) and resolves wherever Ray runs -- the
+controller or a worker -- so a ``DataProtoFuture`` moves data worker to worker.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
+
+from podium.backends.ray import wire
+from podium.core.futures import RankFuture
+from podium.errors import CallTimeoutError, WorkerDiedError
+
+__all__ = ["RayRankFuture", "died_error"]
+
+# How often a wait on several ranks looks for a rank that already failed while
+# others still run (a dead rank must not wait behind live ones blocked on it).
+_POLL_S = 0.2
+
+
+def died_error(rank: int, exc: BaseException) -> WorkerDiedError:
+    """A Ray error that means the rank's process is gone, as podium's error."""
+    text = str(exc).strip()
+    # Ray's message is long; its first lines say what happened.
+    detail = " ".join(line.strip() for line in text.splitlines()[:3] if line.strip())
+    if isinstance(exc, ObjectLostError):
+        detail = f"its result was lost with the node or process holding it ({detail})"
+    return WorkerDiedError(rank, detail=detail[:600])
+
+
+class RayRankFuture(RankFuture):
+    """The pending result of one rank's call, held as a Ray ``ObjectRef``."""
+
+    def __init__(
+        self,
+        ref: Any,
+        rank: int,
+        method: str,
+        *,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        on_died: Callable[[WorkerDiedError], None] | None = None,
+    ) -> None:
+        super().__init__(rank, method)
+        self.ref = ref
+        self._deadline = deadline
+        self._timeout = timeout
+        # The group to mark dead; weak, so a future does not keep a group alive.
+        self._on_died = weakref.WeakMethod(on_died) if on_died is not None else None
+        self._value: Any = _UNSET
+
+    def __reduce__(self) -> Any:
+        index = wire.stash_ref(self.ref)
+        if index is None:  # pickled by Ray itself, which handles ObjectRefs
+            return (_rebuild_direct, (self.ref, self.rank, self.method))
+        return (_rebuild_from_payload, (index, self.rank, self.method))
+
+    def done(self) -> bool:
+        if self._value is not _UNSET:
+            return True
+        ready, _ = ray.wait([self.ref], num_returns=1, timeout=0, fetch_local=False)
+        return bool(ready)
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.gather([self], timeout)[0]
+
+    @classmethod
+    def gather(cls, futures: Sequence[RankFuture], timeout: float | None = None) -> list[Any]:
+        futs: list[RayRankFuture] = list(futures)  # type: ignore[arg-type]
+        if not futs:
+            return []
+        deadline, limit = _deadline_of(futs, timeout)
+        todo = [f for f in futs if f._value is _UNSET]
+        pending = [f.ref for f in todo]
+        by_ref = {f.ref: f for f in todo}
+        while pending:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise CallTimeoutError(
+                    futs[0].method, limit or 0.0, [by_ref[r].rank for r in pending]
+                )
+            wait_s = _POLL_S if left is None else min(_POLL_S, left)
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+            if pending:
+                # Some ranks still run: settle the finished ones now, so a dead
+                # rank is reported without waiting for peers that may be stuck on it.
+                for ref in ready:
+                    by_ref[ref]._settle()
+        values = []
+        for f in todo:
+            f._settle()
+        for f in futs:
+            values.append(f._value.unwrap())
+        return values
+
+    def _settle(self) -> None:
+        if self._value is not _UNSET:
+            return
+        try:
+            payload = ray.get(self.ref)
+        except (RayActorError, ObjectLostError) as exc:
+            err = died_error(self.rank, exc)
+            callback = self._on_died() if self._on_died is not None else None
+            if callback is not None:
+                callback(err)
+            raise err from None
+        except GetTimeoutError:  # pragma: no cover - only called on ready refs
+            raise CallTimeoutError(self.method, 0.0, [self.rank]) from None
+        self._value = wire.decode(payload)
+
+
+def _deadline_of(
+    futs: Sequence[RayRankFuture], timeout: float | None
+) -> tuple[float | None, float | None]:
+    """The earliest of the wait's own limit and the calls' deadlines, and the limit to report."""
+    now = time.monotonic()
+    best: tuple[float | None, float | None] = (None, None)
+    if timeout is not None:
+        best = (now + timeout, timeout)
+    for f in futs:
+        if f._deadline is not None and (best[0] is None or f._deadline < best[0]):
+            best = (f._deadline, f._timeout)
+    return best
+
+
+class _Unset:
+    pass
+
+
+_UNSET: Any = _Unset()
+
+
+def _rebuild_direct(ref: Any, rank: int, method: str) -> RayRankFuture:
+    return RayRankFuture(ref, rank, method)
+
+
+def _rebuild_from_payload(index: int, rank: int, method: str) -> RayRankFuture:
+    return RayRankFuture(wire.take_ref(index), rank, method)

@@ -1,0 +1,143 @@
+"""One running group on Ray: an actor per rank, and how calls reach them."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from itertools import chain
+from typing import Any
+
+import ray
+
+from podium.backends.ray import wire
+from podium.backends.ray.futures import RayRankFuture
+from podium.core.backend import BackendGroup, RankCall
+from podium.core.futures import RankFuture
+from podium.errors import WorkerDiedError
+
+__all__ = ["RayGroup"]
+
+# Above this size a value several ranks share goes into the object store once
+# (Ray inlines smaller call arguments into each task anyway).
+SHARE_BY_REF_BYTES = 100 * 1024
+# Values too small to be worth sharing by reference even when identical.
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+
+
+class RayGroup(BackendGroup):
+    """The actors of one group, in rank order.
+
+    ``owner`` is False for a group reached with ``attach``: shutting it down then
+    only drops the handles; the controller that started it owns the actors.
+    """
+
+    def __init__(
+        self,
+        actors: list[Any],
+        worker_names: list[str],
+        *,
+        owner: bool,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        self._actors = actors
+        self.world_size = len(actors)
+        self.worker_names = list(worker_names)
+        self._owner = owner
+        self._release = release
+        self._dead: WorkerDiedError | None = None
+
+    @property
+    def actors(self) -> list[Any]:
+        return list(self._actors)
+
+    def submit(
+        self, target: str, calls: Sequence[RankCall], *, timeout: float | None = None
+    ) -> list[RankFuture]:
+        if getattr(self, "_podium_closed", False):
+            raise RuntimeError(f"this Ray worker group ({self.worker_names[:1]}...) was shut down")
+        if self._dead is not None:
+            raise copy.copy(self._dead)
+        for call in calls:
+            if not 0 <= call.rank < self.world_size:
+                raise ValueError(
+                    f"rank {call.rank} is out of range for a group of {self.world_size}"
+                )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        shared = self._share(calls)
+        entries = [entry for _, entry in sorted(shared.values(), key=lambda t: t[0])]
+        futures: list[RankFuture] = []
+        for call in calls:
+            used: list[int] = []  # indices into `entries` this call needs, in placeholder order
+            args = tuple(_swap(a, shared, used) for a in call.args)
+            kwargs = {k: _swap(v, shared, used) for k, v in call.kwargs.items()}
+            message = wire.encode((args, kwargs))
+            ref = self._actors[call.rank].call.remote(target, message, *(entries[k] for k in used))
+            futures.append(
+                RayRankFuture(
+                    ref,
+                    call.rank,
+                    target,
+                    deadline=deadline,
+                    timeout=timeout,
+                    on_died=self._mark_dead,
+                )
+            )
+        return futures
+
+    @staticmethod
+    def _share(calls: Sequence[RankCall]) -> dict[int, tuple[int, Any]]:
+        """id(value) -> (index, payload or ObjectRef) for values several ranks receive by identity.
+
+        nd-mesh dispatch hands every TP/PP peer of a DP replica the same shard
+        object: it is encoded once and, when large, put in the object store once.
+        """
+        if len(calls) < 2:
+            return {}
+        counts: dict[int, int] = {}
+        objects: dict[int, Any] = {}
+        for call in calls:
+            for value in chain(call.args, call.kwargs.values()):
+                if isinstance(value, _SCALARS):
+                    continue
+                counts[id(value)] = counts.get(id(value), 0) + 1
+                objects[id(value)] = value
+        shared: dict[int, tuple[int, Any]] = {}
+        for key, n in counts.items():
+            if n < 2:
+                continue
+            payload = wire.encode(objects[key])
+            entry = (
+                ray.put(payload) if wire.payload_nbytes(payload) > SHARE_BY_REF_BYTES else payload
+            )
+            shared[key] = (len(shared), entry)
+        return shared
+
+    def _mark_dead(self, err: WorkerDiedError) -> None:
+        if self._dead is None:
+            self._dead = err
+
+    def _shutdown(self) -> None:
+        if self._owner:
+            for actor in self._actors:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # already dead, or Ray is gone
+                    pass
+        if self._release is not None:
+            try:
+                self._release()
+            except Exception:  # Ray is gone: its placement groups went with it
+                pass
+        self._actors = []
+
+
+def _swap(value: Any, shared: dict[int, tuple[int, Any]], used: list[int]) -> Any:
+    """``value``, or a placeholder for it when it is shared (recording which entry the call needs)."""
+    found = shared.get(id(value))
+    if found is None:
+        return value
+    key = found[0]
+    if key not in used:
+        used.append(key)
+    return wire.Shared(used.index(key))

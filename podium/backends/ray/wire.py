@@ -1,0 +1,98 @@
+"""How calls and results travel through Ray.
+
+A value crosses as a *payload*: the tuple ``(header, buffers, refs)``.
+
+- ``header`` is podium's pickle stream (:func:`podium.core.serialization.dumps`);
+- ``buffers`` are its out-of-band buffers -- tensor and numpy memory -- as
+  ``uint8`` numpy arrays over that memory (no copy). Ray stores numpy arrays
+  out of band, so a large payload is copied once into the object store and
+  read zero-copy from it, instead of going through ``torch.save``;
+- ``refs`` are the Ray ``ObjectRef`` s of the podium futures found inside the
+  value (a ``DataProtoFuture`` passed into a call). They travel as real
+  ``ObjectRef`` s in a list, which Ray serializes itself, so Ray counts the
+  receiving worker as a borrower and keeps the objects alive for it. Inside
+  the header a future is only an index into ``refs``.
+
+Object-store pages are read-only. :func:`decode` copies such a buffer once into
+writable memory, so tensors and numpy arrays the user receives behave as
+ordinary writable ones (as on every other backend).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+import numpy as np
+
+from podium.core.serialization import dumps, loads
+
+__all__ = ["Shared", "decode", "encode", "payload_nbytes"]
+
+Payload = tuple  # (header: bytes, buffers: list[np.ndarray], refs: list[ray.ObjectRef])
+
+# ObjectRefs of the futures met while pickling / the refs that arrived with a payload.
+_outgoing_refs: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "podium_ray_outgoing_refs", default=None
+)
+_incoming_refs: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "podium_ray_incoming_refs", default=None
+)
+
+
+def encode(obj: Any) -> Payload:
+    """``obj`` as a payload; tensor memory is referenced, not copied."""
+    token = _outgoing_refs.set([])
+    try:
+        header, buffers = dumps(obj)
+        refs = _outgoing_refs.get() or []
+    finally:
+        _outgoing_refs.reset(token)
+    arrays = [np.frombuffer(b.raw(), dtype=np.uint8) for b in buffers]
+    return (header, arrays, refs)
+
+
+def decode(payload: Payload) -> Any:
+    header, arrays, refs = payload
+    buffers = [a if a.flags.writeable else bytearray(a) for a in arrays]
+    token = _incoming_refs.set(list(refs))
+    try:
+        return loads(header, buffers)
+    finally:
+        _incoming_refs.reset(token)
+
+
+def payload_nbytes(payload: Payload) -> int:
+    header, arrays, _ = payload
+    return len(header) + sum(a.nbytes for a in arrays)
+
+
+def stash_ref(ref: Any) -> int | None:
+    """Record ``ref`` for the payload being encoded; its index, or None outside :func:`encode`."""
+    refs = _outgoing_refs.get()
+    if refs is None:
+        return None
+    refs.append(ref)
+    return len(refs) - 1
+
+
+def take_ref(index: int) -> Any:
+    refs = _incoming_refs.get()
+    if refs is None or index >= len(refs):
+        raise RuntimeError(
+            "a podium Ray future was unpickled outside a podium Ray payload; pass futures "
+            "to workers through WorkerGroup calls"
+        )
+    return refs[index]
+
+
+class Shared:
+    """Placeholder, in a rank's arguments, for the ``index``-th value shared by several ranks."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __reduce__(self) -> Any:
+        return (Shared, (self.index,))
