@@ -169,9 +169,10 @@ class RemoteError(PodiumError):
         return head
 
     def __reduce__(self) -> Any:
+        cause = exception_parts(self.cause) if self.cause is not None else None
         return (
             _remote_error_from_parts,
-            (self.cause, str(self.args[0]) if self.args else "", self.rank, self.method, self.remote_traceback),
+            (cause, str(self.args[0]) if self.args else "", self.rank, self.method, self.remote_traceback),
         )
 
 
@@ -192,12 +193,29 @@ def _dual_class(cause_type: type[BaseException]) -> type[RemoteError]:
         return cls
 
 
+def exception_parts(exc: BaseException) -> tuple[type[BaseException], tuple[Any, ...], dict[str, Any]]:
+    """``exc`` as (class, args, state): rebuilt without calling the class's ``__init__``,
+    whose signature need not match ``exc.args`` (user exceptions often differ)."""
+    return type(exc), exc.args, dict(getattr(exc, "__dict__", {}))
+
+
+def rebuild_exception(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    exc = cls.__new__(cls)
+    BaseException.__init__(exc, *args)
+    exc.__dict__.update(state)
+    return exc
+
+
 def _remote_error_from_parts(
-    cause: BaseException | None, message: str, rank: int | None, method: str, tb: str
+    cause: tuple[type[BaseException], tuple[Any, ...], dict[str, Any]] | None,
+    message: str,
+    rank: int | None,
+    method: str,
+    tb: str,
 ) -> RemoteError:
     if cause is None:
         return RemoteError(message, rank=rank, method=method, remote_traceback=tb)
-    return make_remote_error(cause, rank=rank, method=method, remote_traceback=tb)
+    return make_remote_error(rebuild_exception(*cause), rank=rank, method=method, remote_traceback=tb)
 
 
 def make_remote_error(

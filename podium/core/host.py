@@ -21,7 +21,7 @@ import cloudpickle
 from podium.core.decorator import get_method_spec
 from podium.core.futures import DataProtoFuture
 from podium.core.worker import ClassWithInitArgs, ColocatedWorker, RankInfo, _constructing_rank
-from podium.errors import RemoteError, make_remote_error
+from podium.errors import RemoteError, exception_parts, make_remote_error, rebuild_exception
 
 __all__ = ["MESH_INFO", "Outcome", "RemoteFailure", "WorkerHost", "split_target"]
 
@@ -53,7 +53,7 @@ class RemoteFailure:
             # Rebuilt without calling the class's __init__ (whose signature may
             # not match exc.args), so user exceptions with their own
             # constructors keep their class and fields.
-            payload = cloudpickle.dumps((type(exc), exc.args, dict(getattr(exc, "__dict__", {}))))
+            payload = cloudpickle.dumps(exception_parts(exc))
         except Exception:
             payload = None
         return cls(rank, method, type(exc).__qualname__, str(exc), tb, payload)
@@ -62,7 +62,7 @@ class RemoteFailure:
         cause: BaseException | None = None
         if self.exception is not None:
             try:
-                cause = _rebuild_exception(*cloudpickle.loads(self.exception))
+                cause = rebuild_exception(*cloudpickle.loads(self.exception))
             except Exception:
                 cause = None
         if cause is None:
@@ -73,13 +73,6 @@ class RemoteFailure:
                 remote_traceback=self.traceback,
             )
         return make_remote_error(cause, rank=self.rank, method=self.method, remote_traceback=self.traceback)
-
-
-def _rebuild_exception(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
-    exc = cls.__new__(cls)
-    BaseException.__init__(exc, *args)
-    exc.__dict__.update(state)
-    return exc
 
 
 @dataclass
