@@ -43,3 +43,29 @@ def test_import_podium_with_backends_blocked() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "isolated-ok" in out.stdout
+
+
+def test_missing_backend_dependency_names_the_extra() -> None:
+    code = textwrap.dedent(
+        """
+        import importlib.abc, sys
+
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "ray":
+                    raise ModuleNotFoundError(f"No module named {name!r}")
+                return None
+
+        sys.meta_path.insert(0, Block())
+        from podium import UnknownBackendError, load_backend
+        try:
+            load_backend("ray")
+        except UnknownBackendError as exc:
+            print(exc)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "'ray' is declared but failed to load" in out.stdout
+    assert "pip install 'podium[ray]'" in out.stdout
+    assert "inline" in out.stdout  # the installed backends are listed
