@@ -37,7 +37,7 @@ class TorchrunBackend(Backend):
         process_group=True,
         multi_node=True,
         gpu=True,
-        fractional_colocation=False,
+        fractional_colocation=True,
         named_workers=False,
         worker_to_worker_futures=False,
         call_timeout=True,
@@ -136,7 +136,18 @@ class TorchrunBackend(Backend):
 
     def _start_group(self, spec: GroupSpec) -> BackendGroup:
         check_pool_shape(spec.pool)
+        # Groups colocated on one pool share its slots (and GPUs); at most max_colocate_count.
+        live = [g for g in spec.pool.backend_state(self.name).get("groups", []) if g in self._groups]
+        if len(live) >= spec.pool.max_colocate_count:
+            raise ResourceUnavailableError(
+                f"pool {spec.pool.name_prefix!r} already holds {len(live)} running group(s) and allows "
+                f"{spec.pool.max_colocate_count} (max_colocate_count). Shut one down, or create the pool "
+                f"with max_colocate_count={len(live) + 1}.",
+                demand=len(live) + 1,
+                supply=spec.pool.max_colocate_count,
+            )
         group = TorchrunGroup(spec, self.config)
+        spec.pool.backend_state(self.name)["groups"] = [*live, group]
         group._closer = self._close_group
         runner = self.runner()
         timeout = float(self.config["start_timeout"])
