@@ -33,7 +33,9 @@ class SlowWorker(Worker):
 
 @pytest.mark.timeout(120)
 def test_worker_sigkilled_mid_call(procs) -> None:
-    wg = WorkerGroup(ResourcePool([2], use_gpu=False), ClassWithInitArgs(SlowWorker), backend="torchrun")
+    wg = WorkerGroup(
+        ResourcePool([2], use_gpu=False), ClassWithInitArgs(SlowWorker), backend="torchrun"
+    )
     gid = wg._group.gid
     try:
         pids = wg.pid()
@@ -127,7 +129,9 @@ def test_slurm_dry_run_for_two_gpu_nodes() -> None:
     jobs = [h for h in headers if "--job-name" in h]
     assert len(jobs) == 2  # two nodes (one het-job component each)
     for job in jobs:
-        assert "--ntasks-per-node=1" in job and "--gpus-per-task=4" in job and "--partition=gpu" in job
+        assert (
+            "--ntasks-per-node=1" in job and "--gpus-per-task=4" in job and "--partition=gpu" in job
+        )
     assert script.count("--nnodes 2 --nproc-per-node 4") == 2
     assert script.count(f"-m {ENTRY}") == 2
     assert "--rdzv-backend c10d" in script

@@ -25,7 +25,10 @@ class NodeWorker(Worker):
             "local_rank": self.local_rank,
             "world_size": self.world_size,
             "local_world_size": self.local_world_size,
-            "env": {k: env.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")},
+            "env": {
+                k: env.get(k)
+                for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+            },
             "master": (env.get("MASTER_ADDR"), env.get("MASTER_PORT")),
         }
 
@@ -48,7 +51,9 @@ class NodeWorker(Worker):
 @pytest.fixture(scope="module")
 def wg():
     backend = load_backend("torchrun")
-    group = WorkerGroup(ResourcePool([2, 2], use_gpu=False), ClassWithInitArgs(NodeWorker), backend=backend)
+    group = WorkerGroup(
+        ResourcePool([2, 2], use_gpu=False), ClassWithInitArgs(NodeWorker), backend=backend
+    )
     yield group
     group.shutdown()
 
@@ -62,7 +67,9 @@ def test_ranks_and_local_ranks_over_two_agents(wg: WorkerGroup) -> None:
     for i in info:
         assert i["env"]["RANK"] == str(i["rank"]) and i["env"]["LOCAL_RANK"] == str(i["local_rank"])
     # two agents: ranks 0,1 on one node, 2,3 on the other
-    assert info[0]["env"]["GROUP_RANK"] == info[1]["env"]["GROUP_RANK"] != info[2]["env"]["GROUP_RANK"]
+    assert (
+        info[0]["env"]["GROUP_RANK"] == info[1]["env"]["GROUP_RANK"] != info[2]["env"]["GROUP_RANK"]
+    )
     assert len({i["master"] for i in info}) == 1
 
 
@@ -70,7 +77,9 @@ def test_gloo_all_reduce(wg: WorkerGroup) -> None:
     assert wg.all_reduce() == [10.0] * 4
 
 
-def test_output_reaches_controller_with_rank_prefix(wg: WorkerGroup, capfd: pytest.CaptureFixture[str]) -> None:
+def test_output_reaches_controller_with_rank_prefix(
+    wg: WorkerGroup, capfd: pytest.CaptureFixture[str]
+) -> None:
     wg.shout("marker-7f3a")
     deadline = time.monotonic() + 5
     seen = ""

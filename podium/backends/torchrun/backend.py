@@ -18,7 +18,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from podium.backends.torchrun.group import TorchrunGroup
-from podium.backends.torchrun.launch import app_for_pool, check_pool_shape, dryrun, free_port, make_runner
+from podium.backends.torchrun.launch import (
+    app_for_pool,
+    check_pool_shape,
+    dryrun,
+    free_port,
+    make_runner,
+)
 from podium.core.backend import Backend, BackendGroup, BackendOption, Capabilities, GroupSpec
 from podium.core.resource import ResourcePool
 from podium.errors import ResourceUnavailableError
@@ -45,8 +51,15 @@ class TorchrunBackend(Backend):
         worker_env=True,
     )
     options: ClassVar[Sequence[BackendOption]] = (
-        BackendOption("scheduler", str, "local_cwd", "torchx scheduler: local_cwd, slurm, kubernetes, ..."),
-        BackendOption("scheduler_cfg", dict, None, "the torchx scheduler's run config (e.g. {'partition': 'gpu'})"),
+        BackendOption(
+            "scheduler", str, "local_cwd", "torchx scheduler: local_cwd, slurm, kubernetes, ..."
+        ),
+        BackendOption(
+            "scheduler_cfg",
+            dict,
+            None,
+            "the torchx scheduler's run config (e.g. {'partition': 'gpu'})",
+        ),
         BackendOption(
             "controller_host",
             str,
@@ -54,19 +67,48 @@ class TorchrunBackend(Backend):
             "address workers use to reach the controller (default 127.0.0.1: same host only); "
             "set it to this host's reachable address for multi-node schedulers",
         ),
-        BackendOption("bind_host", str, None, "interface the control socket binds (default: controller_host)"),
-        BackendOption("start_timeout", (int, float), 180.0, "seconds to wait for every worker to start"),
         BackendOption(
-            "heartbeat_timeout", (int, float), 4.0, "seconds without a worker heartbeat before it is declared dead"
+            "bind_host", str, None, "interface the control socket binds (default: controller_host)"
         ),
         BackendOption(
-            "orphan_timeout", (int, float), 8.0, "seconds without the controller before workers exit"
+            "start_timeout", (int, float), 180.0, "seconds to wait for every worker to start"
         ),
-        BackendOption("forward_output", bool, True, "print workers' stdout/stderr here with a rank prefix"),
-        BackendOption("python", str, None, "Python interpreter on the worker hosts (default: this one)"),
-        BackendOption("cpu_per_node", int, None, "CPUs each node asks the scheduler for (default: nproc_per_node)"),
-        BackendOption("mem_mb_per_node", int, None, "memory (MB) each node asks for (default: 1024 per process)"),
-        BackendOption("rdzv_port", int, None, "c10d rendezvous port on rank 0's host (multi-node; default: free port)"),
+        BackendOption(
+            "heartbeat_timeout",
+            (int, float),
+            4.0,
+            "seconds without a worker heartbeat before it is declared dead",
+        ),
+        BackendOption(
+            "orphan_timeout",
+            (int, float),
+            8.0,
+            "seconds without the controller before workers exit",
+        ),
+        BackendOption(
+            "forward_output", bool, True, "print workers' stdout/stderr here with a rank prefix"
+        ),
+        BackendOption(
+            "python", str, None, "Python interpreter on the worker hosts (default: this one)"
+        ),
+        BackendOption(
+            "cpu_per_node",
+            int,
+            None,
+            "CPUs each node asks the scheduler for (default: nproc_per_node)",
+        ),
+        BackendOption(
+            "mem_mb_per_node",
+            int,
+            None,
+            "memory (MB) each node asks for (default: 1024 per process)",
+        ),
+        BackendOption(
+            "rdzv_port",
+            int,
+            None,
+            "c10d rendezvous port on rank 0's host (multi-node; default: free port)",
+        ),
     )
 
     def __init__(self, **options: Any) -> None:
@@ -137,7 +179,9 @@ class TorchrunBackend(Backend):
     def _start_group(self, spec: GroupSpec) -> BackendGroup:
         check_pool_shape(spec.pool)
         # Groups colocated on one pool share its slots (and GPUs); at most max_colocate_count.
-        live = [g for g in spec.pool.backend_state(self.name).get("groups", []) if g in self._groups]
+        live = [
+            g for g in spec.pool.backend_state(self.name).get("groups", []) if g in self._groups
+        ]
         if len(live) >= spec.pool.max_colocate_count:
             raise ResourceUnavailableError(
                 f"pool {spec.pool.name_prefix!r} already holds {len(live)} running group(s) and allows "
@@ -180,7 +224,7 @@ class TorchrunBackend(Backend):
             while time.monotonic() < deadline:
                 try:
                     status = runner.status(handle)
-                except Exception:  # noqa: BLE001 - a scheduler that cannot answer: cancel below
+                except Exception:
                     break
                 state = status.state.name if status is not None else None
                 if state in _TERMINAL or status is None:
@@ -189,7 +233,7 @@ class TorchrunBackend(Backend):
             if state not in _TERMINAL:
                 try:
                     runner.cancel(handle)
-                except Exception:  # noqa: BLE001 - already gone
+                except Exception:
                     pass
         group.close_channel()
         if group in self._groups:

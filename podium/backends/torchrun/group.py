@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,9 @@ _TAIL_LINES = 40
 class TorchrunFuture(RankFuture):
     """One rank's pending call; resolved by the group's I/O thread."""
 
-    def __init__(self, rank: int, method: str, deadline: float | None, timeout: float | None) -> None:
+    def __init__(
+        self, rank: int, method: str, deadline: float | None, timeout: float | None
+    ) -> None:
         super().__init__(rank, method)
         self._event = threading.Event()
         self._outcome: Outcome | None = None
@@ -132,7 +134,8 @@ class TorchrunGroup(BackendGroup):
         )
         self.channel.start()
         self.app_handle: str | None = None
-        self._runner: Any = None
+        # Set by the backend, which owns the torchx app: how to stop this group.
+        self._closer: Callable[[TorchrunGroup], None] | None = None
 
     # -- environment for the workers ------------------------------------------
 
@@ -216,7 +219,9 @@ class TorchrunGroup(BackendGroup):
 
     # -- calls --------------------------------------------------------------------
 
-    def submit(self, target: str, calls: Sequence[RankCall], *, timeout: float | None = None) -> list[RankFuture]:
+    def submit(
+        self, target: str, calls: Sequence[RankCall], *, timeout: float | None = None
+    ) -> list[RankFuture]:
         if self._dead is not None:
             raise self._dead
         if getattr(self, "_podium_closed", False):
@@ -229,23 +234,14 @@ class TorchrunGroup(BackendGroup):
         outgoing = []
         for call in calls:
             if not 0 <= call.rank < self.world_size:
-                raise ValueError(f"rank {call.rank} is not in this group (world size {self.world_size})")
+                raise ValueError(
+                    f"rank {call.rank} is not in this group (world size {self.world_size})"
+                )
             state = self._ranks[call.rank]
-            objs: list[int] = []
+            objs: list[int] = []  # this rank's distinct objects (ids), in message order
             index: dict[int, int] = {}
-
-            def slot(value: Any) -> int:
-                key = id(value)
-                if key not in encoded:
-                    encoded[key] = wire.encode(value)
-                    keep.append(value)
-                if key not in index:
-                    index[key] = len(objs)
-                    objs.append(key)
-                return index[key]
-
-            arg_index = [slot(a) for a in call.args]
-            kw_index = {k: slot(v) for k, v in call.kwargs.items()}
+            arg_index = [_slot(a, encoded, keep, objs, index) for a in call.args]
+            kw_index = {k: _slot(v, encoded, keep, objs, index) for k, v in call.kwargs.items()}
             pool = self._pool if state.shm else None
             descs = []
             frames: list[Any] = []
@@ -300,7 +296,7 @@ class TorchrunGroup(BackendGroup):
                 fut = state.pending.pop(key, None)
             try:
                 (outcome,) = wire.decode_objects([desc], frames[1:], self._segments)
-            except Exception as exc:  # noqa: BLE001 - e.g. a class the controller cannot import
+            except Exception as exc:
                 if fut is not None:
                     fut._fail(exc)
             else:
@@ -439,9 +435,8 @@ class TorchrunGroup(BackendGroup):
 
     def _shutdown(self) -> None:
         # The backend owns the torchx app; it registered itself as the closer.
-        closer = getattr(self, "_closer", None)
-        if closer is not None:
-            closer(self)
+        if self._closer is not None:
+            self._closer(self)
         else:
             self.stop_workers(0)
             self.close_channel()
@@ -455,3 +450,21 @@ def _by_value(cwi: Any) -> None:
             for sub in value.values():
                 if hasattr(sub, "cls") and hasattr(sub, "args"):
                     _by_value(sub)
+
+
+def _slot(
+    value: Any,
+    encoded: dict[int, wire.Encoded],
+    keep: list[Any],
+    objs: list[int],
+    index: dict[int, int],
+) -> int:
+    """Position of ``value`` in one rank's message, encoding it once per call (by identity)."""
+    key = id(value)
+    if key not in encoded:
+        encoded[key] = wire.encode(value)
+        keep.append(value)  # keeps id() unique while the call is built
+    if key not in index:
+        index[key] = len(objs)
+        objs.append(key)
+    return index[key]

@@ -17,7 +17,13 @@ import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
-from podium.backends.torchrun.shm import Segment, SegmentMap, SegmentPool, packed_size, write_buffers
+from podium.backends.torchrun.shm import (
+    Segment,
+    SegmentMap,
+    SegmentPool,
+    packed_size,
+    write_buffers,
+)
 from podium.core.serialization import dumps, loads
 
 __all__ = ["Encoded", "decode_objects", "encode", "pack_meta", "place", "unpack_meta"]
@@ -90,7 +96,9 @@ def place(enc: Encoded, pool: SegmentPool | None) -> tuple[tuple[Any, ...], list
     return ("i", len(enc.buffers)), [enc.header, *enc.buffers]
 
 
-def decode_objects(descs: list[tuple[Any, ...]], frames: list[Any], segments: SegmentMap) -> list[Any]:
+def decode_objects(
+    descs: list[tuple[Any, ...]], frames: list[Any], segments: SegmentMap
+) -> list[Any]:
     """Inverse of :func:`place` for a message's objects, in order."""
     out = []
     i = 0

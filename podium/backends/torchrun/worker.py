@@ -274,7 +274,7 @@ class _Supervisor:
             if self.sock in events:
                 while True:
                     try:
-                        msg = self.sock.recv_multipart(zmq.NOBLOCK)
+                        self.sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     last_ping = time.monotonic()
@@ -299,8 +299,11 @@ class _Supervisor:
         code = os.waitstatus_to_exitcode(status)
         import pickle
 
-        info = {"exit_code": code if code >= 0 else None, "signal": -code if code < 0 else None,
-                "tail": list(self.tail)}
+        info = {
+            "exit_code": code if code >= 0 else None,
+            "signal": -code if code < 0 else None,
+            "tail": list(self.tail),
+        }
         self.send(b"exit", pickle.dumps(info))
         self.cleanup(controller_gone=False)
         return code if code >= 0 else 128 - code
@@ -312,6 +315,7 @@ class _Supervisor:
         if controller_gone and self.rank == 0:
             # Nobody else is left to remove the controller's segments.
             unlink_prefix(_shm_prefix("c"))
+            unlink_prefix(_shm_prefix("probe")[:-1])
         self.sock.close(linger=500)
         self.ctx.term()
 
