@@ -16,6 +16,8 @@ every ``tick`` seconds (heartbeats, deadlines).
 from __future__ import annotations
 
 import logging
+import os
+import select
 import threading
 import time
 from collections import deque
@@ -58,6 +60,11 @@ def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
     for i, frame in enumerate(frames):
         flags = zmq.SNDMORE if i < last else 0
         sock.send(frame, flags, copy=not is_zero_copy(frame))
+
+
+def _readable(sock: zmq.Socket[Any]) -> bool:
+    """Whether ``sock`` has a message now (also re-arms its descriptor's readiness edge)."""
+    return bool(int(sock.get(zmq.EVENTS)) & zmq.POLLIN)
 
 
 class ControlChannel:
@@ -106,14 +113,19 @@ class ControlChannel:
         self.port = port
         self.address = f"tcp://{advertise_host}:{port}"
 
-        # Callers wake the I/O thread through this pair after queueing a message.
-        wake_addr = f"inproc://podium-wake-{id(self)}"
-        self._wake_recv = self.ctx.socket(zmq.PULL)
-        self._wake_recv.bind(wake_addr)
-        self._wake_send = self.ctx.socket(zmq.PUSH)
-        self._wake_send.linger = 0
-        self._wake_send.connect(wake_addr)
-        self._wake_lock = threading.Lock()
+        # Whoever holds ``_io`` may use the sockets: the I/O thread, a caller
+        # sending, or a caller waiting for its results (which then serves the
+        # channel itself, saving two thread hand-offs per call). Nobody blocks
+        # while holding it: waiting is a select() on the sockets' descriptors.
+        self._io = threading.Lock()
+        self._waiters = 0
+        self._waiters_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._fds = [self._router.FD, self._zap.FD, self._monitor.FD]
+        self._next_tick = time.monotonic()
+        self._closed = False
 
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
@@ -123,61 +135,134 @@ class ControlChannel:
     # -- called from any thread ---------------------------------------------
 
     def send(self, identity: bytes, frames: list[Any]) -> None:
-        self._outbox.append((identity, frames))
-        with self._wake_lock:
-            if not self._closing.is_set():
-                self._wake_send.send(b"", zmq.NOBLOCK)
+        self.send_many([(identity, frames)])
+
+    def send_many(self, messages: list[tuple[bytes, list[Any]]]) -> None:
+        self._outbox.extend(messages)
+        if self._io.acquire(blocking=False):
+            try:
+                if not self._closed:
+                    self._flush_outbox()
+                    # Sending may consume the socket's readiness edge: tell waiters to look.
+                    if _readable(self._router):
+                        self._wake()
+            finally:
+                self._io.release()
+        else:
+            self._wake()
+
+    def wait(self, done: threading.Event, timeout: float | None) -> bool:
+        """Wait for ``done``, serving the channel from this thread meanwhile."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._waiters_lock:
+            self._waiters += 1
+        try:
+            while not done.is_set():
+                served = False
+                if self._io.acquire(blocking=False):
+                    try:
+                        if self._closed:
+                            return done.wait(
+                                0 if deadline is None else max(0.0, deadline - time.monotonic())
+                            )
+                        self._serve()
+                        served = True
+                    finally:
+                        self._io.release()
+                    if done.is_set():
+                        return True
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return False
+                # After serving, the descriptors are re-armed; otherwise someone
+                # else is serving and may resolve us: look again soon.
+                nap = max(0.0, self._next_tick - now) if served else 0.002
+                if deadline is not None:
+                    nap = min(nap, deadline - now)
+                self._select(self._fds, nap)
+            return True
+        finally:
+            with self._waiters_lock:
+                self._waiters -= 1
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush queued messages, stop the I/O thread, close every socket and free the port."""
         if self._closing.is_set():
             return
-        with self._wake_lock:
-            self._closing.set()
-            try:
-                self._wake_send.send(b"", zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+        self._closing.set()
+        self._wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-        for sock in (self._wake_send, self._wake_recv, self._monitor, self._router, self._zap):
-            sock.close(linger=0)
-        self.ctx.term()
+        with self._io:
+            self._closed = True
+            try:
+                self._flush_outbox()
+            except zmq.ZMQError:
+                pass
+            for sock in (self._monitor, self._router, self._zap):
+                sock.close(linger=0)
+            self.ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
-    # -- the I/O thread -------------------------------------------------------
+    # -- serving ----------------------------------------------------------------
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is pending anyway) or closed
+
+    def _select(self, fds: list[int], timeout: float) -> None:
+        try:
+            ready, _, _ = select.select([*fds, self._wake_r], [], [], max(0.0, timeout))
+        except (OSError, ValueError):
+            return
+        if self._wake_r in ready:
+            try:
+                os.read(self._wake_r, 4096)
+            except (BlockingIOError, OSError):
+                pass
+
+    def _serve(self) -> None:
+        """Do everything pending (caller holds ``_io``); returns with the descriptors re-armed."""
+        while True:
+            busy = False
+            if self._outbox:
+                self._flush_outbox()
+            if _readable(self._router):
+                self._drain_router()
+                busy = True
+            if _readable(self._zap):
+                self._answer_zap()
+                busy = True
+            if _readable(self._monitor):
+                self._read_monitor()
+                busy = True
+            now = time.monotonic()
+            if now >= self._next_tick:
+                self._next_tick = now + self._tick
+                self._safely(self._on_tick, now)
+                busy = True
+            if not busy and not self._outbox:
+                return
 
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_recv, zmq.POLLIN)
-        poller.register(self._zap, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        next_tick = time.monotonic()
-        while True:
-            self._flush_outbox()
-            if self._closing.is_set():
-                return
-            timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
-            try:
-                ready = dict(poller.poll(timeout_ms))
-            except zmq.ZMQError:
-                return
-            if self._wake_recv in ready:
-                while True:
+        while not self._closing.is_set():
+            fds: list[int] = []
+            nap = 0.005  # a caller is waiting and serves the sockets itself
+            if self._waiters == 0:
+                fds = self._fds
+                nap = 0.002  # a sender holds the sockets for a moment
+                if self._io.acquire(blocking=False):
                     try:
-                        self._wake_recv.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-            if self._router in ready:
-                self._drain_router()
-            if self._zap in ready:
-                self._answer_zap()
-            if self._monitor in ready:
-                self._read_monitor()
-            now = time.monotonic()
-            if now >= next_tick:
-                next_tick = now + self._tick
-                self._safely(self._on_tick, now)
+                        if self._closed:
+                            return
+                        self._serve()
+                    finally:
+                        self._io.release()
+                    nap = max(0.0, self._next_tick - time.monotonic())
+            self._select(fds, nap)
 
     def _flush_outbox(self) -> None:
         while self._outbox:

@@ -42,9 +42,15 @@ class TorchrunFuture(RankFuture):
     """One rank's pending call; resolved by the group's I/O thread."""
 
     def __init__(
-        self, rank: int, method: str, deadline: float | None, timeout: float | None
+        self,
+        rank: int,
+        method: str,
+        deadline: float | None,
+        timeout: float | None,
+        channel: ControlChannel,
     ) -> None:
         super().__init__(rank, method)
+        self._channel = channel
         self._event = threading.Event()
         self._outcome: Outcome | None = None
         self._error: BaseException | None = None
@@ -68,7 +74,7 @@ class TorchrunFuture(RankFuture):
         if self._deadline is not None:
             left = max(0.0, self._deadline - time.monotonic())
             wait = left if wait is None else min(wait, left)
-        if not self._event.wait(wait):
+        if not self._event.is_set() and not self._channel.wait(self._event, wait):
             if self._deadline is not None and time.monotonic() >= self._deadline:
                 raise CallTimeoutError(self.method, self._timeout or 0.0, [self.rank])
             raise CallTimeoutError(self.method, timeout or 0.0, [self.rank])
@@ -250,7 +256,7 @@ class TorchrunGroup(BackendGroup):
                 descs.append(desc)
                 frames.extend(fr)
             call_id = next(self._call_ids)
-            fut = TorchrunFuture(call.rank, target, deadline, timeout)
+            fut = TorchrunFuture(call.rank, target, deadline, timeout, self.channel)
             outgoing.append((state, call_id, fut, descs, arg_index, kw_index, frames))
             futures.append(fut)
         for enc in encoded.values():
@@ -260,11 +266,13 @@ class TorchrunGroup(BackendGroup):
                 raise self._dead
             for state, call_id, fut, *_ in outgoing:
                 state.pending[call_id] = fut
+        messages = []
         for state, call_id, _fut, descs, arg_index, kw_index, frames in outgoing:
             with self._lock:
                 freed, state.freed = state.freed, []
             meta = wire.pack_meta((call_id, target, descs, arg_index, kw_index, freed))
-            self.channel.send(b"w%d" % state.rank, [wire.CALL, meta, *frames])
+            messages.append((b"w%d" % state.rank, [wire.CALL, meta, *frames]))
+        self.channel.send_many(messages)
         return futures
 
     def _put_back(self, enc: wire.Encoded) -> None:
