@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from podium.core.backend import (
     ENTRY_POINT_GROUP,
     KNOWN_EXTRAS,
-    _load_failures,
+    load_plugins,
     backend_class,
 )
 from podium.errors import UnknownBackendError
@@ -25,7 +25,7 @@ def _dist_version(plugin: type) -> str:
 
 
 def cmd_backends(_: argparse.Namespace) -> int:
-    loaded, failed = _load_failures()
+    loaded, failed = load_plugins()
     rows = []
     for name, plugin in sorted(loaded.items()):
         caps = plugin.capabilities.as_dict()

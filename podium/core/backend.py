@@ -185,9 +185,16 @@ class Backend(ABC):
 
     @classmethod
     def version(cls) -> str:
-        from podium import __version__
+        """The version of the distribution that ships this backend."""
+        from importlib.metadata import PackageNotFoundError, packages_distributions, version
 
-        return __version__
+        top = cls.__module__.split(".")[0]
+        for dist in packages_distributions().get(top, []):
+            try:
+                return version(dist)
+            except PackageNotFoundError:
+                continue
+        return "unknown"
 
     # -- resources ---------------------------------------------------------
 
@@ -252,7 +259,8 @@ def _entry_point_names() -> list[str]:
     return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
 
 
-def _load_failures() -> tuple[dict[str, type[Backend]], dict[str, str]]:
+def load_plugins() -> tuple[dict[str, type[Backend]], dict[str, str]]:
+    """Load every declared backend: (name -> class, name -> error text of those that failed)."""
     from stevedore import ExtensionManager
 
     failed: dict[str, str] = {}
@@ -275,7 +283,7 @@ def available_backends(*, include_failed: bool = False) -> dict[str, Any]:
     With ``include_failed=True`` also returns the plugins that failed to load,
     as name -> error text, under the key ``"__failed__"``.
     """
-    loaded, failed = _load_failures()
+    loaded, failed = load_plugins()
     result: dict[str, Any] = {name: plugin.capabilities for name, plugin in sorted(loaded.items())}
     if include_failed:
         result["__failed__"] = failed
@@ -290,7 +298,7 @@ def backend_class(name: str) -> type[Backend]:
     try:
         manager: Any = DriverManager(namespace=ENTRY_POINT_GROUP, name=name, invoke_on_load=False)
     except NoMatches:
-        loaded, failed = _load_failures()
+        loaded, failed = load_plugins()
         close = difflib.get_close_matches(name, _entry_point_names() + list(KNOWN_EXTRAS), n=1)
         raise UnknownBackendError(
             name,
@@ -300,7 +308,7 @@ def backend_class(name: str) -> type[Backend]:
             extra=KNOWN_EXTRAS.get(name),
         ) from None
     except Exception as exc:  # the plugin is declared but its module failed to import
-        installed, failed = _load_failures()
+        installed, failed = load_plugins()
         failed.setdefault(name, f"{type(exc).__name__}: {exc}")
         missing_dependency = isinstance(exc, ImportError)
         raise UnknownBackendError(

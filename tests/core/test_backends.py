@@ -75,6 +75,7 @@ def plugin_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dist = root / "echo_backend-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: echo-backend\nVersion: 1.0\n")
+    (dist / "top_level.txt").write_text("echo_backend\n")
     (dist / "entry_points.txt").write_text(
         "[podium.backends]\necho = echo_backend:EchoBackend\nbroken = no_such_module_here:Backend\n"
     )
@@ -134,7 +135,8 @@ def test_cli_backends_lists_inline_and_failed_plugins(plugin_dir: Path) -> None:
     assert lines[0].split()[:3] == ["backend", "version", "class"]
     inline = next(line for line in lines if line.startswith("inline"))
     assert podium.__version__ in inline and "fractional_colocation" in inline
-    assert any(line.startswith("echo") for line in lines)
+    echo = next(line for line in lines if line.startswith("echo"))
+    assert echo.split()[1] == "1.0"  # the third-party distribution's own version
     assert "plugins that failed to load" in out.stdout and "broken" in out.stdout
 
 
