@@ -39,6 +39,20 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
+from podium.core._batch_utils import (
+    as_array,
+    as_key_list,
+    describe,
+    is_metrics,
+    leaves,
+    merge_checked,
+    missing,
+    normalize_index,
+    object_array,
+    tensor_shapes,
+    values_equal,
+)
+
 __all__ = [
     "DataProto",
     "DataProtoItem",
@@ -50,125 +64,6 @@ Index: TypeAlias = (
     "int | np.integer | slice | Sequence[int] | Sequence[bool] | np.ndarray | torch.Tensor"
 )
 Key: TypeAlias = "str | tuple[str, ...]"
-
-# ---------------------------------------------------------------------------
-# helpers
-
-
-def _object_array(values: Sequence[Any]) -> np.ndarray:
-    """A 1-D object array holding ``values`` as they are (no nested-list promotion)."""
-    out = np.empty(len(values), dtype=object)
-    for i, value in enumerate(values):
-        out[i] = value
-    return out
-
-
-def _as_array(key: str, value: Any) -> np.ndarray:
-    if isinstance(value, np.ndarray):
-        if value.ndim == 0:
-            raise ValueError(
-                f"non_tensor_batch[{key!r}] is a 0-d array; it needs a first dimension "
-                "of size N (put per-batch values in meta_info)"
-            )
-        return value
-    if isinstance(value, (list, tuple)):
-        return _object_array(value)
-    raise TypeError(
-        f"non_tensor_batch[{key!r}] must be a numpy array or a list, got {type(value).__name__}"
-        + (" (tensors belong in batch)" if isinstance(value, torch.Tensor) else "")
-    )
-
-
-def _values_equal(a: Any, b: Any) -> bool:
-    """Equality that works for tensors, arrays (incl. object arrays) and plain values."""
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.shape == b.shape
-            and a.dtype == b.dtype
-            and bool(torch.equal(a.cpu(), b.cpu()))
-        )
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)) or a.shape != b.shape:
-            return False
-        if a.dtype == object or b.dtype == object:
-            return all(_values_equal(x, y) for x, y in zip(a.flat, b.flat))
-        return bool(np.array_equal(a, b))
-    try:
-        return bool(a == b)
-    except Exception:  # an __eq__ that returns something without a truth value
-        return False
-
-
-def _leaves(td: TensorDictBase, prefix: tuple[str, ...] = ()) -> dict[Key, Any]:
-    """Flatten ``td`` to ``{key: leaf}``; top-level keys are str, nested ones tuples.
-
-    Non-tensor entries (NonTensorData/Stack) are leaves too.
-    """
-    out: dict[Key, Any] = {}
-    for name in td.keys():
-        value = td.get(name)
-        key = (*prefix, name)
-        if isinstance(value, TensorDictBase) and not isinstance(
-            value, (NonTensorData, NonTensorStack)
-        ):
-            out.update(_leaves(value, key))
-        else:
-            out[key[0] if len(key) == 1 else key] = value
-    return out
-
-
-def _check_index_bounds(arr: np.ndarray, length: int) -> np.ndarray:
-    if arr.size and (arr.min() < -length or arr.max() >= length):
-        bad = arr[(arr < -length) | (arr >= length)][0]
-        raise IndexError(f"index {int(bad)} is out of range for a DataProto of length {length}")
-    return np.where(arr < 0, arr + length, arr).astype(np.int64, copy=False)
-
-
-def _normalize_index(index: Any, length: int) -> slice | np.ndarray:
-    """A non-negative int64 index array, or a slice with a positive step (a view)."""
-    if isinstance(index, slice):
-        if index.step is not None and index.step < 0:
-            return np.arange(length)[index].copy()  # torch cannot slice backwards
-        return index
-    if isinstance(index, torch.Tensor):
-        arr = index.detach().cpu().numpy()
-    else:
-        arr = np.asarray(index)
-    if arr.ndim != 1:
-        raise IndexError(f"a DataProto index must be 1-D, got shape {tuple(arr.shape)}")
-    if arr.dtype == bool:
-        if arr.shape[0] != length:
-            raise IndexError(
-                f"boolean mask has length {arr.shape[0]} but the DataProto has length {length}"
-            )
-        return np.flatnonzero(arr)
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"a DataProto index must hold ints or bools, got dtype {arr.dtype}")
-    return _check_index_bounds(arr, length)
-
-
-def _as_key_list(keys: str | Sequence[str] | None, what: str) -> list[str]:
-    if keys is None:
-        return []
-    if isinstance(keys, str):
-        return [keys]
-    if not isinstance(keys, Sequence):
-        raise TypeError(f"{what} must be a list of str, got {type(keys).__name__}")
-    return list(keys)
-
-
-def _missing(keys: Sequence[Any], available: Any, where: str) -> None:
-    available = list(available)
-    missing = [k for k in keys if k not in available]
-    if missing:
-        raise KeyError(f"{where} has no key(s) {missing}; available: {sorted(map(str, available))}")
-
 
 # ---------------------------------------------------------------------------
 # DataProto
@@ -222,7 +117,7 @@ class DataProto:
             )
         if not isinstance(self.meta_info, Mapping):
             raise TypeError(f"meta_info must be a dict, got {type(self.meta_info).__name__}")
-        self.non_tensor_batch = {k: _as_array(k, v) for k, v in self.non_tensor_batch.items()}
+        self.non_tensor_batch = {k: as_array(k, v) for k, v in self.non_tensor_batch.items()}
         self.meta_info = dict(self.meta_info)
         self.check_consistency()
 
@@ -270,7 +165,7 @@ class DataProto:
             raise ValueError(f"num_batch_dims must be an int >= 1, got {num_batch_dims!r}")
         batch = None
         if tensors:
-            shapes = _tensor_shapes(tensors)
+            shapes = tensor_shapes(tensors)
             first_key, first_shape = next(iter(shapes.items()))
             if len(first_shape) < num_batch_dims:
                 raise ValueError(
@@ -338,7 +233,7 @@ class DataProto:
         for key in list(td.keys()):
             value = td.get(key)
             if isinstance(value, NonTensorStack):
-                non_tensors[key] = _object_array(value.tolist())
+                non_tensors[key] = object_array(value.tolist())
             elif isinstance(value, NonTensorData):
                 meta[key] = value.data
         batch = td.exclude(*non_tensors, *meta) if (non_tensors or meta) else td.copy()
@@ -417,7 +312,7 @@ class DataProto:
             return self._item(int(index) % n)
         if isinstance(index, torch.Tensor) and index.ndim == 0:
             return self[int(index.item())]
-        return self._take(_normalize_index(index, len(self)))
+        return self._take(normalize_index(index, len(self)))
 
     def __iter__(self) -> Iterator[DataProtoItem]:
         for i in range(len(self)):
@@ -434,7 +329,7 @@ class DataProto:
         self, start: int | None = None, end: int | None = None, step: int | None = None
     ) -> DataProto:
         """Rows ``start:end:step`` (a view, like ``data[start:end:step]``)."""
-        return self._take(_normalize_index(slice(start, end, step), len(self)))
+        return self._take(normalize_index(slice(start, end, step), len(self)))
 
     # -- keys ----------------------------------------------------------------
 
@@ -455,22 +350,22 @@ class DataProto:
                 batch = batch.copy()
             else:
                 keys = list(batch_keys) if not isinstance(batch_keys, str) else [batch_keys]
-                _missing(keys, batch.keys(include_nested=True), "batch")
+                missing(keys, batch.keys(include_nested=True), "batch")
                 batch = batch.select(*keys)
         elif batch_keys:
             raise KeyError(f"batch has no key(s) {list(batch_keys)}: this DataProto has no batch")
         nt_keys = (
             list(self.non_tensor_batch)
             if non_tensor_batch_keys is None
-            else _as_key_list(non_tensor_batch_keys, "non_tensor_batch_keys")
+            else as_key_list(non_tensor_batch_keys, "non_tensor_batch_keys")
         )
-        _missing(nt_keys, self.non_tensor_batch, "non_tensor_batch")
+        missing(nt_keys, self.non_tensor_batch, "non_tensor_batch")
         meta_keys = (
             list(self.meta_info)
             if meta_info_keys is None
-            else _as_key_list(meta_info_keys, "meta_info_keys")
+            else as_key_list(meta_info_keys, "meta_info_keys")
         )
-        _missing(meta_keys, self.meta_info, "meta_info")
+        missing(meta_keys, self.meta_info, "meta_info")
         out = type(self)(
             batch=batch,
             non_tensor_batch={k: self.non_tensor_batch[k] for k in nt_keys},
@@ -492,14 +387,14 @@ class DataProto:
         before anything is removed.
         """
         b_keys = [batch_keys] if isinstance(batch_keys, str) else list(batch_keys or [])
-        nt_keys = _as_key_list(non_tensor_batch_keys, "non_tensor_batch_keys")
-        meta_keys = _as_key_list(meta_info_keys, "meta_info_keys")
+        nt_keys = as_key_list(non_tensor_batch_keys, "non_tensor_batch_keys")
+        meta_keys = as_key_list(meta_info_keys, "meta_info_keys")
         if b_keys and self.batch is None:
             raise KeyError(f"batch has no key(s) {b_keys}: this DataProto has no batch")
         if self.batch is not None:
-            _missing(b_keys, self.batch.keys(include_nested=True), "batch")
-        _missing(nt_keys, self.non_tensor_batch, "non_tensor_batch")
-        _missing(meta_keys, self.meta_info, "meta_info")
+            missing(b_keys, self.batch.keys(include_nested=True), "batch")
+        missing(nt_keys, self.non_tensor_batch, "non_tensor_batch")
+        missing(meta_keys, self.meta_info, "meta_info")
         batch = None
         if self.batch is not None:
             batch = self.batch.select(*b_keys)
@@ -513,8 +408,8 @@ class DataProto:
 
     def rename(self, old_keys: str | Sequence[str], new_keys: str | Sequence[str]) -> DataProto:
         """A DataProto with keys renamed (in ``batch`` or ``non_tensor_batch``, where found)."""
-        old = _as_key_list(old_keys, "old_keys")
-        new = _as_key_list(new_keys, "new_keys")
+        old = as_key_list(old_keys, "old_keys")
+        new = as_key_list(new_keys, "new_keys")
         if len(old) != len(new):
             raise ValueError(
                 f"rename needs as many new keys as old keys, got {len(old)} old and {len(new)} new"
@@ -560,26 +455,26 @@ class DataProto:
                         f"cannot union batches of batch_size {list(batch.batch_size)} and "
                         f"{list(other.batch.batch_size)}"
                     )
-                mine = _leaves(batch)
-                for key, value in _leaves(other.batch).items():
+                mine = leaves(batch)
+                for key, value in leaves(other.batch).items():
                     if key in mine:
-                        if not _values_equal(mine[key], value):
+                        if not values_equal(mine[key], value):
                             raise ValueError(
                                 f"union: batch key {key!r} differs between the two DataProtos"
                             )
                     else:
                         batch.set(key, value)
         non_tensors = dict(self.non_tensor_batch)
-        _merge_checked(non_tensors, other.non_tensor_batch, "non_tensor_batch")
+        merge_checked(non_tensors, other.non_tensor_batch, "non_tensor_batch")
         out = self._new(batch, non_tensors)
-        _merge_checked(out.meta_info, other.meta_info, "meta_info")
+        merge_checked(out.meta_info, other.meta_info, "meta_info")
         return out
 
     # -- reshaping -----------------------------------------------------------
 
     def reorder(self, indices: Index) -> None:
         """In place: ``self`` becomes ``self[indices]`` (any 1-D index, usually a permutation)."""
-        taken = self._take(_normalize_index(indices, len(self)))
+        taken = self._take(normalize_index(indices, len(self)))
         self.batch = taken.batch
         self.non_tensor_batch = taken.non_tensor_batch
 
@@ -623,7 +518,7 @@ class DataProto:
         metrics: list[Any] = []
         for part in parts:
             for key, value in part.meta_info.items():
-                if key == "metrics" and _is_metrics(value):
+                if key == "metrics" and is_metrics(value):
                     metrics.extend(value if isinstance(value, list) else [value])
                 elif key not in meta:
                     meta[key] = value
@@ -645,9 +540,9 @@ class DataProto:
             raise ValueError("concat: some DataProtos have a batch and some do not")
         batch = None
         if batches:
-            keys = set(_leaves(batches[0]))
+            keys = set(leaves(batches[0]))
             for i, part_batch in enumerate(batches[1:], 1):
-                other = set(_leaves(part_batch))
+                other = set(leaves(part_batch))
                 if other != keys:
                     raise ValueError(
                         f"concat: batch keys of item {i} {sorted(map(str, other))} differ from "
@@ -713,7 +608,7 @@ class DataProto:
         batch_size = None
         device = None
         if self.batch is not None:
-            tensors = _leaves(self.batch)
+            tensors = leaves(self.batch)
             batch_size = list(self.batch.batch_size)
             device = str(self.batch.device) if self.batch.device is not None else None
         return {
@@ -752,7 +647,7 @@ class DataProto:
     def __repr__(self) -> str:
         parts = [f"len={len(self)}"]
         if self.batch is not None:
-            fields = ", ".join(f"{k}: {_describe(v)}" for k, v in _leaves(self.batch).items())
+            fields = ", ".join(f"{k}: {describe(v)}" for k, v in leaves(self.batch).items())
             parts.append(f"batch={{{fields}}}")
         if self.non_tensor_batch:
             fields = ", ".join(
@@ -770,44 +665,6 @@ def _rebuild(cls: type[DataProto], state: dict[str, Any]) -> DataProto:
     obj = cls.__new__(cls)
     obj.__setstate__(state)
     return obj
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
-    return type(value).__name__
-
-
-def _tensor_shapes(tensors: Mapping[str, Any], prefix: str = "") -> dict[str, torch.Size]:
-    out: dict[str, torch.Size] = {}
-    for key, value in tensors.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, torch.Tensor):
-            out[name] = value.shape
-        elif isinstance(value, Mapping):
-            out.update(_tensor_shapes(value, f"{name}."))
-        else:
-            raise TypeError(
-                f"tensors[{name!r}] must be a tensor, got {type(value).__name__} "
-                "(non-tensor values go in non_tensors)"
-            )
-    return out
-
-
-def _is_metrics(value: Any) -> bool:
-    """A ``metrics`` meta value concat merges: a dict, or a list of dicts."""
-    if isinstance(value, list):
-        return all(isinstance(v, dict) for v in value)
-    return isinstance(value, dict)
-
-
-def _merge_checked(into: dict[str, Any], other: Mapping[str, Any], where: str) -> None:
-    for key, value in other.items():
-        if key in into:
-            if not _values_equal(into[key], value):
-                raise ValueError(f"union: {where} key {key!r} differs between the two DataProtos")
-        else:
-            into[key] = value
 
 
 # ---------------------------------------------------------------------------
