@@ -226,18 +226,18 @@ def test_dataproto_future_moves_worker_to_worker(monkeypatch: pytest.MonkeyPatch
     ):
         data = DataProto.from_dict({"x": torch.arange(8.0)})
         future = a.double_async(data)
-        settled_here = []
-        real_settle = ray_futures.RayRankFuture._settle
-        monkeypatch.setattr(
-            ray_futures.RayRankFuture,
-            "_settle",
-            lambda self: settled_here.append(id(self)) or real_settle(self),
-        )
+        gathered_here: list[int] = []
+        real_gather = ray_futures.RayRankFuture.gather.__func__  # type: ignore[attr-defined]
+
+        def spy(cls: Any, futures: Any, timeout: Any = None) -> Any:
+            gathered_here.extend(id(f) for f in futures)
+            return real_gather(cls, futures, timeout)
+
+        monkeypatch.setattr(ray_futures.RayRankFuture, "gather", classmethod(spy))
         out = b.double(future)
     assert torch.equal(out.batch["x"], torch.arange(8.0) * 4)
-    assert not {id(f) for f in future.futures} & set(
-        settled_here
-    )  # group a's results never came here
+    # b's results came back here; a's went from a's workers straight to b's
+    assert gathered_here and not {id(f) for f in future.futures} & set(gathered_here)
     assert torch.equal(data.batch["x"], torch.arange(8.0))  # the caller's data is untouched
     out.batch["x"] += 1  # results are writable
 

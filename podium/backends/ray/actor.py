@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
+from collections.abc import Iterable
 from typing import Any
 
 import ray
@@ -18,7 +20,7 @@ from podium.backends.ray import wire
 from podium.core.host import Outcome, RemoteFailure, WorkerHost
 from podium.core.worker import RankInfo
 
-__all__ = ["RankActor"]
+__all__ = ["actor_class", "method_name"]
 
 
 class _RankActor:
@@ -45,22 +47,50 @@ class _RankActor:
         self.host, outcome = WorkerHost.start(info, cls_with_init)
         return self._encode(outcome, "__init__")
 
-    def call(self, target: str, message: wire.Payload, *shared: wire.Payload) -> wire.Payload:
-        if self.host is None:
-            raise RuntimeError("podium worker called before setup")
+    def call(self, message: wire.Payload, *shared: wire.Payload) -> wire.Payload:
+        """Run ``(target, args, kwargs)``; ``shared`` are the values several ranks received."""
+        target = "?"
         try:
-            args, kwargs = wire.decode(message)
-            if shared:
-                values = [wire.decode(p) for p in shared]
-                args = tuple(values[a.index] if isinstance(a, wire.Shared) else a for a in args)
-                kwargs = {
-                    k: values[v.index] if isinstance(v, wire.Shared) else v
-                    for k, v in kwargs.items()
-                }
+            target, args, kwargs = wire.decode(message)
         except BaseException as exc:  # user objects may fail to unpickle
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             return wire.encode(Outcome(False, RemoteFailure.capture(exc, self.rank, target)))
+        return self._run(target, args, kwargs, shared)
+
+    def _call_target(
+        self, target: str, message: wire.Payload | None, shared: tuple[wire.Payload, ...]
+    ) -> wire.Payload:
+        if message is None:
+            return self._run(target, (), {}, ())
+        try:
+            args, kwargs = wire.decode(message)
+        except BaseException as exc:  # user objects may fail to unpickle
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return wire.encode(Outcome(False, RemoteFailure.capture(exc, self.rank, target)))
+        return self._run(target, args, kwargs, shared)
+
+    def _run(
+        self,
+        target: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        shared: tuple[wire.Payload, ...],
+    ) -> wire.Payload:
+        if self.host is None:
+            raise RuntimeError("podium worker called before setup")
+        if shared:
+            try:
+                values = [wire.decode(p) for p in shared]
+            except BaseException as exc:  # user objects may fail to unpickle
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                return wire.encode(Outcome(False, RemoteFailure.capture(exc, self.rank, target)))
+            args = tuple(values[a.index] if isinstance(a, wire.Shared) else a for a in args)
+            kwargs = {
+                k: values[v.index] if isinstance(v, wire.Shared) else v for k, v in kwargs.items()
+            }
         return self._encode(self.host.run(target, args, kwargs), target)
 
     def _encode(self, outcome: Outcome, target: str) -> wire.Payload:
@@ -79,4 +109,40 @@ class _RankActor:
             self.host.close()
 
 
-RankActor: Any = ray.remote(max_restarts=0, max_task_retries=0)(_RankActor)
+def method_name(target: str) -> str:
+    """The actor method that runs ``target`` (``"method"`` or ``"role:method"``) directly."""
+    return "podium__" + target.replace(":", "__")
+
+
+def _target_method(target: str) -> Any:
+    def run_target(
+        self: _RankActor, message: wire.Payload | None = None, *shared: wire.Payload
+    ) -> wire.Payload:
+        return self._call_target(target, message, shared)
+
+    run_target.__name__ = method_name(target)
+    return run_target
+
+
+_classes: dict[frozenset[str], Any] = {}
+_lock = threading.Lock()
+
+
+def actor_class(targets: Iterable[str]) -> Any:
+    """The Ray actor class for a worker class whose registered targets are ``targets``.
+
+    Each target gets its own actor method, so a call without arguments (the
+    common ``init_model()``, ``save()``) crosses with no payload at all, as a
+    hand-written Ray actor's would; other targets go through ``call``.
+    """
+    key = frozenset(targets)
+    with _lock:
+        cls = _classes.get(key)
+        if cls is None:
+            body = {method_name(t): _target_method(t) for t in sorted(key)}
+            body["__module__"] = __name__
+            cls = ray.remote(max_restarts=0, max_task_retries=0)(
+                type("PodiumRank", (_RankActor,), body)
+            )
+            _classes[key] = cls
+        return cls

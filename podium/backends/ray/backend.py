@@ -26,7 +26,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from podium.backends.ray import wire
-from podium.backends.ray.actor import RankActor
+from podium.backends.ray.actor import actor_class
 from podium.backends.ray.futures import RayRankFuture, died_error
 from podium.backends.ray.group import RayGroup
 from podium.backends.ray.placement import (
@@ -40,6 +40,7 @@ from podium.core.backend import Backend, BackendOption, Capabilities, GroupSpec
 from podium.core.resource import ResourcePool
 from podium.core.serialization import ensure_importable_by_value
 from podium.core.worker import ClassWithInitArgs, ColocatedWorker, RankInfo
+from podium.core.worker_group import registered_methods
 from podium.errors import CallTimeoutError, WorkerDiedError, WorkerStartupError
 
 __all__ = ["RayBackend"]
@@ -183,6 +184,7 @@ class RayBackend(Backend):
                 base["runtime_env"] = runtime_env
             if self.config["detached"]:
                 base["lifetime"] = "detached"
+            rank_actor = actor_class(_targets(spec.cls_with_init))
             for rank, place in enumerate(places):
                 strategy = PlacementGroupSchedulingStrategy(
                     place.pg,
@@ -191,7 +193,7 @@ class RayBackend(Backend):
                 )
                 try:
                     actors.append(
-                        RankActor.options(
+                        rank_actor.options(
                             name=names[rank], scheduling_strategy=strategy, **base
                         ).remote()
                     )
@@ -317,6 +319,18 @@ def _runtime_env(base: dict[str, Any] | None, worker_env: dict[str, str] | Any) 
     if worker_env:
         env["env_vars"] = {**env.get("env_vars", {}), **dict(worker_env)}
     return env
+
+
+def _targets(cwa: ClassWithInitArgs[Any]) -> set[str]:
+    """The ``@register``-ed targets of a worker class (``role:method`` for colocated roles)."""
+    if cwa.cls is ColocatedWorker and cwa.args:
+        return {
+            f"{role}:{name}"
+            for role, sub in dict(cwa.args[0]).items()
+            if isinstance(sub, ClassWithInitArgs)
+            for name in registered_methods(sub.cls)
+        }
+    return set(registered_methods(cwa.cls))
 
 
 def _make_importable(cwa: ClassWithInitArgs[Any]) -> None:

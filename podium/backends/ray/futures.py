@@ -78,27 +78,9 @@ class RayRankFuture(RankFuture):
             return []
         deadline, limit = _deadline_of(futs, timeout)
         todo = [f for f in futs if f._value is _UNSET]
-        pending = [f.ref for f in todo]
-        by_ref = {f.ref: f for f in todo}
-        while pending:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise CallTimeoutError(
-                    futs[0].method, limit or 0.0, [by_ref[r].rank for r in pending]
-                )
-            wait_s = _POLL_S if left is None else min(_POLL_S, left)
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
-            if pending:
-                # Some ranks still run: settle the finished ones now, so a dead
-                # rank is reported without waiting for peers that may be stuck on it.
-                for ref in ready:
-                    by_ref[ref]._settle()
-        values = []
-        for f in todo:
-            f._settle()
-        for f in futs:
-            values.append(f._value.unwrap())
-        return values
+        if todo and not _fast_path(todo, deadline):
+            _slow_path(todo, deadline, limit)
+        return [f._value.unwrap() for f in futs]
 
     def _settle(self) -> None:
         if self._value is not _UNSET:
@@ -114,6 +96,33 @@ class RayRankFuture(RankFuture):
         except GetTimeoutError:  # pragma: no cover - only called on ready refs
             raise CallTimeoutError(self.method, 0.0, [self.rank]) from None
         self._value = wire.decode(payload)
+
+
+def _fast_path(todo: list[RayRankFuture], deadline: float | None) -> bool:
+    """One ``ray.get`` for calls that finish quickly and well (the common case)."""
+    left = _POLL_S if deadline is None else min(_POLL_S, max(0.0, deadline - time.monotonic()))
+    try:
+        payloads = ray.get([f.ref for f in todo], timeout=left)
+    except (GetTimeoutError, RayActorError, ObjectLostError):
+        return False  # still running, or failed: the slow path says which rank
+    for f, payload in zip(todo, payloads):
+        f._value = wire.decode(payload)
+    return True
+
+
+def _slow_path(todo: list[RayRankFuture], deadline: float | None, limit: float | None) -> None:
+    """Wait in short steps, settling finished ranks as they come, so a dead rank is
+    reported at once even while its peers are stuck waiting for it (a collective)."""
+    by_ref = {f.ref: f for f in todo}
+    pending = list(by_ref)
+    while pending:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise CallTimeoutError(todo[0].method, limit or 0.0, [by_ref[r].rank for r in pending])
+        wait_s = _POLL_S if left is None else min(_POLL_S, left)
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
+        for ref in ready:
+            by_ref[ref]._settle()
 
 
 def _deadline_of(

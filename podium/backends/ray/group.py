@@ -11,6 +11,7 @@ from typing import Any
 import ray
 
 from podium.backends.ray import wire
+from podium.backends.ray.actor import method_name
 from podium.backends.ray.futures import RayRankFuture
 from podium.core.backend import BackendGroup, RankCall
 from podium.core.futures import RankFuture
@@ -46,6 +47,7 @@ class RayGroup(BackendGroup):
         self._owner = owner
         self._release = release
         self._dead: WorkerDiedError | None = None
+        self._methods: dict[tuple[int, str], Any] = {}
 
     @property
     def actors(self) -> list[Any]:
@@ -71,8 +73,16 @@ class RayGroup(BackendGroup):
             used: list[int] = []  # indices into `entries` this call needs, in placeholder order
             args = tuple(_swap(a, shared, used) for a in call.args)
             kwargs = {k: _swap(v, shared, used) for k, v in call.kwargs.items()}
-            message = wire.encode((args, kwargs))
-            ref = self._actors[call.rank].call.remote(target, message, *(entries[k] for k in used))
+            method = self._method(call.rank, target)
+            extra = [entries[k] for k in used]
+            if method is None:
+                ref = self._actors[call.rank].call.remote(
+                    wire.encode((target, args, kwargs)), *extra
+                )
+            elif args or kwargs:
+                ref = method.remote(wire.encode((args, kwargs)), *extra)
+            else:
+                ref = method.remote()
             futures.append(
                 RayRankFuture(
                     ref,
@@ -84,6 +94,16 @@ class RayGroup(BackendGroup):
                 )
             )
         return futures
+
+    def _method(self, rank: int, target: str) -> Any:
+        """The rank's own actor method for ``target``, or None to go through ``call``."""
+        key = (rank, target)
+        if key not in self._methods:
+            try:
+                self._methods[key] = getattr(self._actors[rank], method_name(target))
+            except AttributeError:
+                self._methods[key] = None
+        return self._methods[key]
 
     @staticmethod
     def _share(calls: Sequence[RankCall]) -> dict[int, tuple[int, Any]]:
@@ -130,6 +150,7 @@ class RayGroup(BackendGroup):
             except Exception:  # Ray is gone: its placement groups went with it
                 pass
         self._actors = []
+        self._methods.clear()
 
 
 def _swap(value: Any, shared: dict[int, tuple[int, Any]], used: list[int]) -> Any:

@@ -1,6 +1,8 @@
 """How calls and results travel through Ray.
 
-A value crosses as a *payload*: the tuple ``(header, buffers, refs)``.
+A value crosses as a *payload*: the tuple ``(header, buffers, refs)``, or just
+``header`` (bytes) when there are neither buffers nor refs -- the common small
+call, which Ray then moves as plain bytes.
 
 - ``header`` is podium's pickle stream (:func:`podium.core.serialization.dumps`);
 - ``buffers`` are its out-of-band buffers -- tensor and numpy memory -- as
@@ -29,7 +31,8 @@ from podium.core.serialization import dumps, loads
 
 __all__ = ["Shared", "decode", "encode", "payload_nbytes"]
 
-Payload = tuple  # (header: bytes, buffers: list[np.ndarray], refs: list[ray.ObjectRef])
+# bytes, or (header: bytes, buffers: list[np.ndarray], refs: list[ray.ObjectRef])
+Payload = Any
 
 # ObjectRefs of the futures met while pickling / the refs that arrived with a payload.
 _outgoing_refs: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
@@ -48,11 +51,15 @@ def encode(obj: Any) -> Payload:
         refs = _outgoing_refs.get() or []
     finally:
         _outgoing_refs.reset(token)
+    if not buffers and not refs:
+        return header
     arrays = [np.frombuffer(b.raw(), dtype=np.uint8) for b in buffers]
     return (header, arrays, refs)
 
 
 def decode(payload: Payload) -> Any:
+    if isinstance(payload, bytes):
+        return loads(payload)
     header, arrays, refs = payload
     buffers = [a if a.flags.writeable else bytearray(a) for a in arrays]
     token = _incoming_refs.set(list(refs))
@@ -63,6 +70,8 @@ def decode(payload: Payload) -> Any:
 
 
 def payload_nbytes(payload: Payload) -> int:
+    if isinstance(payload, bytes):
+        return len(payload)
     header, arrays, _ = payload
     return len(header) + sum(a.nbytes for a in arrays)
 
