@@ -199,6 +199,13 @@ class WorkerGroup:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         return f"{where} has no registered method {name!r}.{hint} Registered: {sorted(self._methods)}"
 
+    def _live_group(self) -> BackendGroup:
+        if self.__dict__.get("_detached") or getattr(self._group, "_podium_closed", False):
+            raise RuntimeError(
+                f"this WorkerGroup ({self.name_prefix}) was shut down; start a new WorkerGroup to call its workers"
+            )
+        return self._group
+
     def _target(self, name: str) -> str:
         return f"{self._role}:{name}" if self._role else name
 
@@ -219,10 +226,10 @@ class WorkerGroup:
                 call = RankCall(0, tuple(d_args), dict(d_kwargs))  # the arguments as given
             else:
                 call = _per_rank_calls(tuple(d_args), dict(d_kwargs), self.world_size)[0]
-            (future,) = self._group.submit(target, [call], timeout=timeout)
+            (future,) = self._live_group().submit(target, [call], timeout=timeout)
             return get(future, timeout) if spec.blocking else future
 
-        futures = self._group.submit(
+        futures = self._live_group().submit(
             target, _per_rank_calls(tuple(d_args), dict(d_kwargs), self.world_size), timeout=timeout
         )
         if not spec.blocking:
@@ -268,7 +275,7 @@ class WorkerGroup:
 
     def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[RankFuture]:
         """Run ``method_name`` on every rank (per-rank slicing rule); return the futures."""
-        return self._group.submit(
+        return self._live_group().submit(
             self._target(method_name),
             _per_rank_calls(args, kwargs, self.world_size),
             timeout=self._call_timeout,
@@ -280,7 +287,7 @@ class WorkerGroup:
         return get(self.execute_all_async(method_name, *args, **kwargs), self._call_timeout)
 
     def execute_rank_zero_async(self, method_name: str, *args: Any, **kwargs: Any) -> RankFuture:
-        (future,) = self._group.submit(
+        (future,) = self._live_group().submit(
             self._target(method_name), [RankCall(0, args, kwargs)], timeout=self._call_timeout
         )
         return future
@@ -321,6 +328,8 @@ class WorkerGroup:
             return
         if self._owns_workers:
             self._group.shutdown()
+        else:
+            self._detached = True  # attached: the workers belong to another controller
 
     def __enter__(self) -> WorkerGroup:
         return self

@@ -81,3 +81,11 @@ def test_padding_does_not_touch_the_callers_batch(wg: WorkerGroup) -> None:
     get(wg.echo_async(d))
     wg.mesh_echo(d)
     assert len(d) == 5 and d.batch["x"].tolist() == [0, 1, 2, 3, 4] and d.meta_info == {"k": "v"}
+
+
+def test_a_shut_down_group_says_so() -> None:
+    group = WorkerGroup(ResourcePool([1], use_gpu=False), ClassWithInitArgs(Rows), backend="inline")
+    group.shutdown()
+    group.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="was shut down"):
+        group.hello("x")
