@@ -57,6 +57,7 @@ class Probe(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def sleep(self, seconds: float) -> int:
+        print(f"rank {self.rank} sleeping", flush=True)
         time.sleep(seconds)
         return self.rank
 
@@ -258,6 +259,7 @@ def test_worker_killed_mid_call_is_reported_fast_then_fails_fast() -> None:
             get(futures, timeout=30)
         assert time.monotonic() - start < 5
         assert info.value.rank == 2
+        assert "rank 2 sleeping" in info.value.log_tail
         start = time.monotonic()
         with pytest.raises(WorkerDiedError, match="rank 2"):
             wg.info()

@@ -28,12 +28,12 @@ class _RankActor:
         self.host: WorkerHost | None = None
         self.rank: int | None = None
 
-    def where(self) -> tuple[str, int]:
-        """This node's address and a free TCP port on it (rank 0 hosts the rendezvous)."""
+    def where(self) -> tuple[str, int, int]:
+        """This node's address, a free TCP port on it (rank 0's hosts the rendezvous) and the pid."""
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), port, os.getpid()
 
     def setup(self, info: RankInfo, env: dict[str, str], cls_payload: wire.Payload) -> wire.Payload:
         self.rank = info.rank

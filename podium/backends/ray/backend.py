@@ -205,7 +205,10 @@ class RayBackend(Backend):
                             "or reach the running group with WorkerGroup.attach()."
                         ) from None
                     raise
-            ip, port = self._wait_start([actors[0].where.remote()], [0], deadline)[0]
+            where = self._wait_start(
+                [a.where.remote() for a in actors], list(range(len(actors))), deadline
+            )
+            ip, port, _ = where[0]
             local_ranks = pool.local_rank_list()
             local_sizes = pool.local_world_size_list()
             node_ranks = [n for n, count in enumerate(pool.store) for _ in range(count)]
@@ -241,7 +244,14 @@ class RayBackend(Backend):
                     pass
             release()
             raise
-        group = RayGroup(actors, names, owner=True, release=release)
+        group = RayGroup(
+            actors,
+            names,
+            owner=True,
+            release=release,
+            pids=[w[2] for w in where],
+            hosts=[w[0] for w in where],
+        )
         self._groups.add(group)
         return group
 
@@ -288,7 +298,12 @@ class RayBackend(Backend):
             )
         names = [ranks[r] for r in range(len(ranks))]
         actors = [ray.get_actor(n, namespace=namespace) for n in names]
-        return RayGroup(actors, names, owner=False)
+        where = ray.get(
+            [a.where.remote() for a in actors], timeout=float(self.config["startup_timeout"])
+        )
+        return RayGroup(
+            actors, names, owner=False, pids=[w[2] for w in where], hosts=[w[0] for w in where]
+        )
 
     def _shutdown(self) -> None:
         for group in list(self._groups):

@@ -25,14 +25,18 @@ __all__ = ["RayRankFuture", "died_error"]
 _POLL_S = 0.2
 
 
-def died_error(rank: int, exc: BaseException) -> WorkerDiedError:
+def died_error(
+    rank: int, exc: BaseException, *, pid: int | None = None, log_tail: str = ""
+) -> WorkerDiedError:
     """A Ray error that means the rank's process is gone, as podium's error."""
     text = str(exc).strip()
     # Ray's message is long; its first lines say what happened.
     detail = " ".join(line.strip() for line in text.splitlines()[:3] if line.strip())
     if isinstance(exc, ObjectLostError):
         detail = f"its result was lost with the node or process holding it ({detail})"
-    return WorkerDiedError(rank, detail=detail[:600])
+    if pid is not None:
+        detail = f"process {pid}; {detail}"
+    return WorkerDiedError(rank, detail=detail[:600], log_tail=log_tail)
 
 
 class RayRankFuture(RankFuture):
@@ -46,13 +50,14 @@ class RayRankFuture(RankFuture):
         *,
         deadline: float | None = None,
         timeout: float | None = None,
-        on_died: Callable[[WorkerDiedError], None] | None = None,
+        on_died: Callable[[int, BaseException], WorkerDiedError] | None = None,
     ) -> None:
         super().__init__(rank, method)
         self.ref = ref
         self._deadline = deadline
         self._timeout = timeout
-        # The group to mark dead; weak, so a future does not keep a group alive.
+        # The group: it describes the death (log tail) and marks itself dead.
+        # Weak, so a future does not keep a group alive.
         self._on_died = weakref.WeakMethod(on_died) if on_died is not None else None
         self._value: Any = _UNSET
 
@@ -88,11 +93,10 @@ class RayRankFuture(RankFuture):
         try:
             payload = ray.get(self.ref)
         except (RayActorError, ObjectLostError) as exc:
-            err = died_error(self.rank, exc)
             callback = self._on_died() if self._on_died is not None else None
-            if callback is not None:
-                callback(err)
-            raise err from None
+            raise (
+                callback(self.rank, exc) if callback is not None else died_error(self.rank, exc)
+            ) from None
         except GetTimeoutError:  # pragma: no cover - only called on ready refs
             raise CallTimeoutError(self.method, 0.0, [self.rank]) from None
         self._value = wire.decode(payload)

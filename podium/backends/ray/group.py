@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import glob
+import os
 import time
 from collections.abc import Callable, Sequence
 from itertools import chain
@@ -12,7 +14,7 @@ import ray
 
 from podium.backends.ray import wire
 from podium.backends.ray.actor import method_name
-from podium.backends.ray.futures import RayRankFuture
+from podium.backends.ray.futures import RayRankFuture, died_error
 from podium.core.backend import BackendGroup, RankCall
 from podium.core.futures import RankFuture
 from podium.errors import WorkerDiedError
@@ -40,6 +42,8 @@ class RayGroup(BackendGroup):
         *,
         owner: bool,
         release: Callable[[], None] | None = None,
+        pids: list[int] | None = None,
+        hosts: list[str] | None = None,
     ) -> None:
         self._actors = actors
         self.world_size = len(actors)
@@ -48,6 +52,8 @@ class RayGroup(BackendGroup):
         self._release = release
         self._dead: WorkerDiedError | None = None
         self._methods: dict[tuple[int, str], Any] = {}
+        self.pids = list(pids or [])
+        self.hosts = list(hosts or [])
 
     @property
     def actors(self) -> list[Any]:
@@ -90,7 +96,7 @@ class RayGroup(BackendGroup):
                     target,
                     deadline=deadline,
                     timeout=timeout,
-                    on_died=self._mark_dead,
+                    on_died=self._died,
                 )
             )
         return futures
@@ -133,9 +139,14 @@ class RayGroup(BackendGroup):
             shared[key] = (len(shared), entry)
         return shared
 
-    def _mark_dead(self, err: WorkerDiedError) -> None:
+    def _died(self, rank: int, exc: BaseException) -> WorkerDiedError:
+        """The error for ``rank``'s death (with its log tail); the group is unusable from now on."""
+        pid = self.pids[rank] if rank < len(self.pids) else None
+        local = rank < len(self.hosts) and self.hosts[rank] == ray.util.get_node_ip_address()
+        err = died_error(rank, exc, pid=pid, log_tail=worker_log_tail(pid) if local else "")
         if self._dead is None:
             self._dead = err
+        return err
 
     def _shutdown(self) -> None:
         if self._owner:
@@ -162,3 +173,30 @@ def _swap(value: Any, shared: dict[int, tuple[int, Any]], used: list[int]) -> An
     if key not in used:
         used.append(key)
     return wire.Shared(used.index(key))
+
+
+def worker_log_tail(pid: int | None, lines: int = 20) -> str:
+    """The last lines of a worker's stderr/stdout logs, when they are on this host (else "")."""
+    if pid is None:
+        return ""
+    try:
+        node = ray._private.worker._global_node
+        log_dir = node.get_logs_dir_path() if node is not None else None
+    except Exception:  # Ray internals moved: the log tail is a convenience
+        return ""
+    if not log_dir:
+        return ""
+    out = []
+    for path in sorted(glob.glob(os.path.join(log_dir, f"worker-*-{pid}.err"))) + sorted(
+        glob.glob(os.path.join(log_dir, f"worker-*-{pid}.out"))
+    ):
+        try:
+            with open(path, errors="replace") as f:
+                # Ray's own marker lines (":job_id:...", ":actor_name:...") say nothing here.
+                text = [ln.rstrip() for ln in f if ln.strip() and not ln.startswith(":")]
+            tail = text[-lines:]
+        except OSError:
+            continue
+        if tail:
+            out.append(f"[{os.path.basename(path)}]\n" + "\n".join(tail))
+    return "\n".join(out)
