@@ -106,9 +106,6 @@ class RayBackend(Backend):
             "Ray runtime_env for the worker actors (worker_env is merged into env_vars)",
         ),
         BackendOption(
-            "detached", bool, False, "actors outlive the controller (shut them down yourself)"
-        ),
-        BackendOption(
             "init_kwargs",
             dict,
             None,
@@ -182,8 +179,6 @@ class RayBackend(Backend):
             runtime_env = _runtime_env(self.config["runtime_env"], spec.worker_env)
             if runtime_env:
                 base["runtime_env"] = runtime_env
-            if self.config["detached"]:
-                base["lifetime"] = "detached"
             rank_actor = actor_class(_targets(spec.cls_with_init))
             for rank, place in enumerate(places):
                 strategy = PlacementGroupSchedulingStrategy(
