@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import cloudpickle
+import numpy as np
 import torch
 
 __all__ = ["copy_via_pickle", "dumps", "ensure_importable_by_value", "loads"]
@@ -37,8 +38,10 @@ def _rebuild_tensor(data: Buffer, dtype: torch.dtype, shape: tuple[int, ...]) ->
         return torch.empty(shape, dtype=dtype)
     if view.readonly:
         # Writing to an immutable page (an object store, a bytes object) would
-        # crash; one copy makes the tensor an ordinary writable one.
-        flat = torch.frombuffer(bytearray(view), dtype=torch.uint8)
+        # crash; one copy makes the tensor an ordinary writable one. numpy
+        # allocates large blocks on transparent huge pages, which makes this
+        # copy several times faster than a bytearray's.
+        flat = torch.from_numpy(np.frombuffer(view, dtype=np.uint8).copy())
     else:
         flat = torch.frombuffer(view, dtype=torch.uint8)
     return flat.view(dtype).reshape(shape)
@@ -109,7 +112,7 @@ def copy_via_pickle(obj: Any) -> Any:
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
     _InProcessPickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
-    return loads(stream.getvalue(), [bytearray(b.raw()) for b in buffers])
+    return loads(stream.getvalue(), [np.array(b.raw(), dtype=np.uint8) for b in buffers])
 
 
 _INSTALLED_ROOTS = tuple(
