@@ -6,9 +6,12 @@ controller or a worker -- so a ``DataProtoFuture`` moves data worker to worker.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -109,9 +112,30 @@ def _fast_path(todo: list[RayRankFuture], deadline: float | None) -> bool:
         payloads = ray.get([f.ref for f in todo], timeout=left)
     except (GetTimeoutError, RayActorError, ObjectLostError):
         return False  # still running, or failed: the slow path says which rank
-    for f, payload in zip(todo, payloads):
-        f._value = wire.decode(payload)
+    for f, value in zip(todo, _decode_all(payloads)):
+        f._value = value
     return True
+
+
+# Copying large results out of the object store is most of what the controller
+# does for a big DP call; numpy releases the GIL while copying, so several
+# ranks' results are copied on several cores at once.
+_PARALLEL_DECODE_BYTES = 4 * 1024 * 1024
+_decoder: ThreadPoolExecutor | None = None
+_decoder_lock = threading.Lock()
+
+
+def _decode_all(payloads: list[Any]) -> list[Any]:
+    if len(payloads) < 2 or sum(wire.payload_nbytes(p) for p in payloads) < _PARALLEL_DECODE_BYTES:
+        return [wire.decode(p) for p in payloads]
+    global _decoder
+    with _decoder_lock:
+        if _decoder is None:
+            _decoder = ThreadPoolExecutor(
+                max_workers=max(1, min(4, os.cpu_count() or 1)),
+                thread_name_prefix="podium-ray-decode",
+            )
+    return list(_decoder.map(wire.decode, payloads))
 
 
 def _slow_path(todo: list[RayRankFuture], deadline: float | None, limit: float | None) -> None:
