@@ -7,17 +7,32 @@ ZAP handler (answered on this channel's own I/O thread) admits only the
 group's client key, so a peer without the keys never gets a message to the
 group -- its attempt is logged and the group keeps working.
 
-A socket belongs to one thread, so one I/O thread owns every socket here:
-callers hand it outgoing messages (:meth:`ControlChannel.send`), and it hands
-incoming ones to the ``on_message`` callback and calls ``on_tick`` about
-every ``tick`` seconds (heartbeats, deadlines).
+A ZeroMQ socket must be used by one thread at a time: whoever holds the
+channel's ``_io`` lock uses the sockets. Incoming messages go to the
+``on_message`` callback, and ``on_tick`` runs about every ``tick`` seconds
+(heartbeats, deadlines), on whichever thread holds the lock.
+
+Who holds it is chosen for latency. A call on a small host is a handful of
+context switches; a second Python thread that wakes during a call costs far
+more (it must win the GIL, which can take up to the 5 ms switch interval).
+So:
+
+- a caller **sends** directly from its own thread (:meth:`send_many`);
+- a caller **waiting** for results serves the sockets itself
+  (:meth:`wait`): one ``zmq_poll`` that returns when a reply arrives, the
+  reply handled on the same thread -- no hand-off to another thread;
+- the **I/O thread** serves only when no caller has been active for
+  ``_QUIET`` seconds or a tick is due (idle groups: heartbeats, forwarded
+  output, a worker's exit report). While a caller is active it sleeps and
+  touches neither the sockets nor the GIL; it yields the lock to a waiter
+  as soon as one appears (woken through a pipe).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
-import select
 import threading
 import time
 from collections import deque
@@ -34,6 +49,9 @@ __all__ = ["ControlChannel", "CurveKeys"]
 log = logging.getLogger("podium.torchrun")
 
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+_SNDMORE = int(zmq.SNDMORE)
+# How long after a caller's last send or wait the I/O thread stays away.
+_QUIET = 0.05
 
 OnMessage = Callable[[bytes, bytes, list[Any]], None]
 OnTick = Callable[[float], None]
@@ -58,13 +76,7 @@ def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
     """Send a multipart message; large frames go without a copy."""
     last = len(frames) - 1
     for i, frame in enumerate(frames):
-        flags = zmq.SNDMORE if i < last else 0
-        sock.send(frame, flags, copy=not is_zero_copy(frame))
-
-
-def _readable(sock: zmq.Socket[Any]) -> bool:
-    """Whether ``sock`` has a message now (also re-arms its descriptor's readiness edge)."""
-    return bool(int(sock.get(zmq.EVENTS)) & zmq.POLLIN)
+        sock.send(frame, _SNDMORE if i < last else 0, copy=not is_zero_copy(frame))
 
 
 class ControlChannel:
@@ -113,17 +125,19 @@ class ControlChannel:
         self.port = port
         self.address = f"tcp://{advertise_host}:{port}"
 
-        # Whoever holds ``_io`` may use the sockets: the I/O thread, a caller
-        # sending, or a caller waiting for its results (which then serves the
-        # channel itself, saving two thread hand-offs per call). Nobody blocks
-        # while holding it: waiting is a select() on the sockets' descriptors.
+        # Whoever holds ``_io`` may use the sockets (see the module docstring).
         self._io = threading.Lock()
         self._waiters = 0
         self._waiters_lock = threading.Lock()
+        self._last_active = 0.0  # when a caller last sent or waited (monotonic)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._fds = [self._router.FD, self._zap.FD, self._monitor.FD]
+        # One poller for the life of the channel; zmq_poll re-checks each
+        # socket's pending events itself, so no readiness edge is ever lost.
+        self._poller = zmq.Poller()
+        for item in (self._router, self._zap, self._monitor, self._wake_r):
+            self._poller.register(item, zmq.POLLIN)
         self._next_tick = time.monotonic()
         self._closed = False
 
@@ -138,52 +152,55 @@ class ControlChannel:
         self.send_many([(identity, frames)])
 
     def send_many(self, messages: list[tuple[bytes, list[Any]]]) -> None:
+        """Send now if the sockets are free, else queue for their holder (woken to send them)."""
+        self._last_active = time.monotonic()
+        # Queue first, then flush under the lock: messages leave in submission order.
         self._outbox.extend(messages)
         if self._io.acquire(blocking=False):
             try:
                 if not self._closed:
                     self._flush_outbox()
-                    # Sending may consume the socket's readiness edge: tell waiters to look.
-                    if _readable(self._router):
-                        self._wake()
             finally:
-                self._io.release()
+                self._unlock()
         else:
             self._wake()
 
-    def wait(self, done: threading.Event, timeout: float | None) -> bool:
-        """Wait for ``done``, serving the channel from this thread meanwhile."""
+    def post(self, identity: bytes, frames: list[Any]) -> None:
+        """Queue a message from a handler (the sockets' holder flushes it before it polls again)."""
+        self._outbox.append((identity, frames))
+
+    def wait(self, done: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait until ``done()`` (a cheap check), serving the channel from this thread meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._waiters_lock:
             self._waiters += 1
+        woke = False
         try:
-            while not done.is_set():
-                served = False
-                if self._io.acquire(blocking=False):
-                    try:
-                        if self._closed:
-                            return done.wait(
-                                0 if deadline is None else max(0.0, deadline - time.monotonic())
-                            )
-                        self._serve()
-                        served = True
-                    finally:
-                        self._io.release()
-                    if done.is_set():
-                        return True
+            while not done():
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     return False
-                # After serving, the descriptors are re-armed; otherwise someone
-                # else is serving and may resolve us: look again soon.
-                nap = max(0.0, self._next_tick - now) if served else 0.002
-                if deadline is not None:
-                    nap = min(nap, deadline - now)
-                self._select(self._fds, nap)
+                got = self._io.acquire(blocking=False)
+                if not got:
+                    # Held by the I/O thread (which yields to waiters once woken)
+                    # or by another waiter (which may resolve us meanwhile: look
+                    # at ``done`` every millisecond).
+                    if not woke:
+                        self._wake()
+                        woke = True
+                    got = self._io.acquire(timeout=0.001)
+                if got:
+                    try:
+                        if self._closed:
+                            return done()
+                        self._pump(done, deadline)
+                    finally:
+                        self._unlock()
             return True
         finally:
             with self._waiters_lock:
                 self._waiters -= 1
+            self._last_active = time.monotonic()
 
     def close(self, timeout: float = 5.0) -> None:
         """Flush queued messages, stop the I/O thread, close every socket and free the port."""
@@ -207,82 +224,108 @@ class ControlChannel:
 
     # -- serving ----------------------------------------------------------------
 
+    def _unlock(self) -> None:
+        """Release ``_io``; flush what a sender queued while we held it (it could not)."""
+        self._io.release()
+        while self._outbox and not self._closed and self._io.acquire(blocking=False):
+            try:
+                self._flush_outbox()
+            finally:
+                self._io.release()
+
     def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):
             pass  # the pipe is full (a wake-up is pending anyway) or closed
 
-    def _select(self, fds: list[int], timeout: float) -> None:
-        try:
-            ready, _, _ = select.select([*fds, self._wake_r], [], [], max(0.0, timeout))
-        except (OSError, ValueError):
-            return
-        if self._wake_r in ready:
-            try:
-                os.read(self._wake_r, 4096)
-            except (BlockingIOError, OSError):
-                pass
-
-    def _serve(self) -> None:
-        """Do everything pending (caller holds ``_io``); returns with the descriptors re-armed."""
+    def _pump(self, done: Callable[[], bool] | None, deadline: float | None) -> None:
+        """Serve the sockets (caller holds ``_io``) until ``done``, ``deadline`` or, for the
+        I/O thread (``done`` is None), until a caller is active and nothing is pending."""
         while True:
-            busy = False
             if self._outbox:
                 self._flush_outbox()
-            if _readable(self._router):
-                self._drain_router()
-                busy = True
-            if _readable(self._zap):
-                self._answer_zap()
-                busy = True
-            if _readable(self._monitor):
-                self._read_monitor()
-                busy = True
             now = time.monotonic()
             if now >= self._next_tick:
                 self._next_tick = now + self._tick
                 self._safely(self._on_tick, now)
-                busy = True
-            if not busy and not self._outbox:
+                continue  # the tick may have queued messages
+            if done is None:
+                if self._closing.is_set() or self._waiters or now - self._last_active < _QUIET:
+                    return
+            elif done():
                 return
+            wait = self._next_tick - now
+            if deadline is not None:
+                if now >= deadline:
+                    return
+                wait = min(wait, deadline - now)
+            self._handle(self._poller.poll(max(1, math.ceil(wait * 1000))))
+
+    def _handle(self, events: list[tuple[Any, int]]) -> None:
+        for item, _ in events:
+            if item is self._router:
+                self._recv_one()
+            elif item == self._wake_r:
+                try:
+                    os.read(self._wake_r, 4096)
+                except (BlockingIOError, OSError):
+                    pass
+            elif item is self._zap:
+                self._answer_zap()
+            elif item is self._monitor:
+                self._read_monitor()
 
     def _loop(self) -> None:
+        """The I/O thread: serve the sockets while no caller does (between calls, idle groups)."""
         while not self._closing.is_set():
-            fds: list[int] = []
-            nap = 0.005  # a caller is waiting and serves the sockets itself
-            if self._waiters == 0:
-                fds = self._fds
-                nap = 0.002  # a sender holds the sockets for a moment
+            now = time.monotonic()
+            if self._waiters == 0 and (
+                now - self._last_active >= _QUIET or now >= self._next_tick or self._outbox
+            ):
                 if self._io.acquire(blocking=False):
                     try:
                         if self._closed:
                             return
-                        self._serve()
+                        self._pump(None, None)
                     finally:
-                        self._io.release()
-                    nap = max(0.0, self._next_tick - time.monotonic())
-            self._select(fds, nap)
+                        self._unlock()
+                now = time.monotonic()
+            # A caller is active and serves the sockets itself while it waits:
+            # keep off the GIL until it has been quiet for a while or a tick is due.
+            quiet_left = _QUIET - (now - self._last_active)
+            if self._waiters:
+                nap = _QUIET
+            elif quiet_left > 0:
+                nap = min(quiet_left, self._next_tick - now)
+            else:
+                nap = 0.001  # someone holds the sockets for a moment
+            self._closing.wait(max(nap, 0.001))
 
     def _flush_outbox(self) -> None:
         while self._outbox:
             identity, frames = self._outbox.popleft()
             try:
-                send_frames(self._router, [identity, *frames])
+                self._router.send(identity, _SNDMORE)
+                send_frames(self._router, frames)
             except zmq.ZMQError as exc:
                 # EHOSTUNREACH: the peer is gone; its supervisor's report or a
                 # missed heartbeat turns that into an error at the caller.
                 log.debug("could not send to %r: %s", identity, exc)
 
-    def _drain_router(self) -> None:
-        for _ in range(1000):
-            try:
-                msg = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            if len(msg) < 2:
-                continue
-            self._safely(self._on_message, msg[0].bytes, msg[1].bytes, msg[2:])
+    def _recv_one(self) -> None:
+        """Handle one message (poll said one is there; it returns at once if more are)."""
+        try:
+            frame = self._router.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        identity = frame.bytes
+        parts = []
+        while frame.more:
+            frame = self._router.recv(copy=False)
+            parts.append(frame)
+        if parts:
+            self._safely(self._on_message, identity, parts[0].bytes, parts[1:])
 
     def _answer_zap(self) -> None:
         try:

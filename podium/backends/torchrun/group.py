@@ -38,8 +38,27 @@ log = logging.getLogger("podium.torchrun")
 _TAIL_LINES = 40
 
 
+class _Batch:
+    """What the futures of one submission share: how many are pending, whether one failed."""
+
+    __slots__ = ("failed", "left", "size")
+
+    def __init__(self, n: int) -> None:
+        self.size = n
+        self.left = n
+        self.failed = False
+
+    def settled(self) -> bool:
+        return self.failed or self.left <= 0
+
+
 class TorchrunFuture(RankFuture):
-    """One rank's pending call; resolved by the group's I/O thread."""
+    """One rank's pending call; resolved by whichever thread serves the channel.
+
+    A thread that waits serves the channel itself (see :mod:`.channel`), so
+    resolving needs no ``threading.Event``: a flag, set after the outcome, is
+    what waiters look at.
+    """
 
     def __init__(
         self,
@@ -48,47 +67,77 @@ class TorchrunFuture(RankFuture):
         deadline: float | None,
         timeout: float | None,
         channel: ControlChannel,
+        batch: _Batch,
     ) -> None:
         super().__init__(rank, method)
         self._channel = channel
-        self._event = threading.Event()
+        self._batch = batch
+        self._done = False
         self._outcome: Outcome | None = None
         self._error: BaseException | None = None
         self._deadline = deadline
         self._timeout = timeout
 
+    # Resolved on the thread serving the channel (which holds its lock);
+    # failed from there or from shutdown. ``failed`` is set before ``left``
+    # can be wrong, so a waiter never misses the end of a batch.
     def _resolve(self, outcome: Outcome) -> None:
         self._outcome = outcome
-        self._event.set()
+        self._done = True
+        if not outcome.ok:
+            self._batch.failed = True
+        self._batch.left -= 1
 
     def _fail(self, error: BaseException) -> None:
-        if not self._event.is_set():
+        if not self._done:
             self._error = error
-            self._event.set()
+            self._done = True
+            self._batch.failed = True
+            self._batch.left -= 1
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def result(self, timeout: float | None = None) -> Any:
         wait = timeout
         if self._deadline is not None:
             left = max(0.0, self._deadline - time.monotonic())
             wait = left if wait is None else min(wait, left)
-        if not self._event.is_set() and not self._channel.wait(self._event, wait):
+        if not self._done and not self._channel.wait(self.done, wait):
             if self._deadline is not None and time.monotonic() >= self._deadline:
                 raise CallTimeoutError(self.method, self._timeout or 0.0, [self.rank])
             raise CallTimeoutError(self.method, timeout or 0.0, [self.rank])
         if self._error is not None:
             raise self._error
         outcome = self._outcome
-        if outcome is None:  # cannot happen: the event is set with one of the two
+        if outcome is None:  # cannot happen: _done is set with one of the two
             raise RuntimeError(f"future of rank {self.rank} resolved without a result")
         return outcome.unwrap()
+
+    @classmethod
+    def gather(cls, futures: Sequence[RankFuture], timeout: float | None = None) -> list[Any]:
+        # Wait for a whole submission in one go (one pass through the channel's
+        # wait instead of one per rank), stopping early when any rank failed;
+        # the base class then collects results and errors in rank order.
+        first = futures[0] if futures else None
+        if (
+            isinstance(first, TorchrunFuture)
+            and not first._batch.settled()
+            and all(isinstance(f, TorchrunFuture) and f._batch is first._batch for f in futures)
+            and len({id(f) for f in futures}) == first._batch.size  # the whole submission
+        ):
+            wait = timeout
+            if first._deadline is not None:  # one submission: one deadline
+                left = max(0.0, first._deadline - time.monotonic())
+                wait = left if wait is None else min(wait, left)
+            first._channel.wait(first._batch.settled, wait)
+        return super().gather(futures, timeout)
 
 
 @dataclass
 class _Rank:
     rank: int
+    identity: bytes = b""  # its worker's ZeroMQ identity
     pid: int | None = None
     host: str | None = None
     shm: bool = False
@@ -110,7 +159,9 @@ class TorchrunGroup(BackendGroup):
         self.world_size = spec.pool.world_size
         self.worker_names = [f"{spec.name_prefix}:{r}" for r in range(self.world_size)]
         self.gid = secrets.token_hex(4)
-        self._ranks = [_Rank(r) for r in range(self.world_size)]
+        self._ranks = [_Rank(r, b"w%d" % r) for r in range(self.world_size)]
+        # ZeroMQ identities of each rank's worker (w<rank>) and supervisor (s<rank>).
+        self._peers = {b"%s%d" % (side, r.rank): r for r in self._ranks for side in (b"w", b"s")}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._call_ids = itertools.count()
@@ -203,7 +254,7 @@ class TorchrunGroup(BackendGroup):
         enc = wire.encode(cwi)
         for r in self._ranks:
             desc, frames = wire.place(enc, self._pool if r.shm else None)
-            self.channel.send(b"w%d" % r.rank, [wire.INIT, wire.pack_meta(([desc], [])), *frames])
+            self.channel.send(b"w%d" % r.rank, [wire.head(wire.INIT, ([desc], [])), *frames])
         self._put_back(enc)
         deadline = time.monotonic() + timeout
         with self._changed:
@@ -236,6 +287,9 @@ class TorchrunGroup(BackendGroup):
         encoded: dict[int, wire.Encoded] = {}
         keep: list[Any] = []
         deadline = None if timeout is None else time.monotonic() + timeout
+        # One id for the whole call: each rank keys its own pending calls.
+        call_id = next(self._call_ids)
+        batch = _Batch(len(calls))
         futures: list[RankFuture] = []
         outgoing = []
         for call in calls:
@@ -248,30 +302,43 @@ class TorchrunGroup(BackendGroup):
             index: dict[int, int] = {}
             arg_index = [_slot(a, encoded, keep, objs, index) for a in call.args]
             kw_index = {k: _slot(v, encoded, keep, objs, index) for k, v in call.kwargs.items()}
-            pool = self._pool if state.shm else None
-            descs = []
-            frames: list[Any] = []
-            for key in objs:
-                desc, fr = wire.place(encoded[key], pool)
-                descs.append(desc)
-                frames.extend(fr)
-            call_id = next(self._call_ids)
-            fut = TorchrunFuture(call.rank, target, deadline, timeout, self.channel)
-            outgoing.append((state, call_id, fut, descs, arg_index, kw_index, frames))
+            fut = TorchrunFuture(call.rank, target, deadline, timeout, self.channel, batch)
+            outgoing.append((state, fut, objs, arg_index, kw_index))
             futures.append(fut)
-        for enc in encoded.values():
-            self._put_back(enc)
+        # Ranks that get the same objects in the same places (every rank of a
+        # ONE_TO_ALL call) get the same message, built once.
+        built: dict[Any, tuple[list[Any], list[Any]]] = {}
+        messages = []
         with self._lock:
             if self._dead is not None:
                 raise self._dead
-            for state, call_id, fut, *_ in outgoing:
+            for state, fut, objs, arg_index, kw_index in outgoing:
                 state.pending[call_id] = fut
-        messages = []
-        for state, call_id, _fut, descs, arg_index, kw_index, frames in outgoing:
-            with self._lock:
-                freed, state.freed = state.freed, []
-            meta = wire.pack_meta((call_id, target, descs, arg_index, kw_index, freed))
-            messages.append((b"w%d" % state.rank, [wire.CALL, meta, *frames]))
+                pool = self._pool if state.shm else None
+                key = (tuple(objs), pool is None, tuple(arg_index), tuple(kw_index.items()))
+                if key in built:
+                    descs, frames = built[key]
+                else:
+                    descs, frames = [], []
+                    for obj in objs:
+                        desc, fr = wire.place(encoded[obj], pool)
+                        descs.append(desc)
+                        frames.extend(fr)
+                    built[key] = descs, frames
+                if state.freed:
+                    freed, state.freed = state.freed, []
+                    head = wire.head(
+                        wire.CALL, (call_id, target, descs, arg_index, kw_index, freed)
+                    )
+                else:
+                    hkey = (key, "head")
+                    if hkey not in built:
+                        meta: tuple[Any, ...] = (call_id, target, descs, arg_index, kw_index, [])
+                        built[hkey] = ([wire.head(wire.CALL, meta)], [])
+                    head = built[hkey][0][0]
+                messages.append((state.identity, [head, *frames]))
+        for enc in encoded.values():
+            self._put_back(enc)
         self.channel.send_many(messages)
         return futures
 
@@ -281,29 +348,24 @@ class TorchrunGroup(BackendGroup):
 
     # -- the I/O thread's handlers ------------------------------------------------
 
-    def _rank_of(self, identity: bytes) -> tuple[str, _Rank] | None:
-        try:
-            kind, rank = identity[:1], int(identity[1:])
-        except ValueError:
-            return None
-        if not 0 <= rank < self.world_size or kind not in (b"w", b"s"):
-            return None
-        return kind.decode(), self._ranks[rank]
-
-    def _on_message(self, identity: bytes, kind: bytes, frames: list[Any]) -> None:
-        who = self._rank_of(identity)
-        if who is None:
+    def _on_message(self, identity: bytes, head: bytes, frames: list[Any]) -> None:
+        state = self._peers.get(identity)
+        if state is None:
             return
-        side, state = who
         state.last_beat = time.monotonic()
+        kind = head[:1]
+        if kind == wire.LOG:
+            self._print(state, head[1:2], frames[0].bytes)
+            return
+        _, meta = wire.split_head(head)
         if kind == wire.RESULT:
-            key, desc, released = wire.unpack_meta(frames[0].buffer)
+            key, desc, released = meta
             if self._pool is not None and released:
                 self._pool.release(released)
             with self._lock:
                 fut = state.pending.pop(key, None)
             try:
-                (outcome,) = wire.decode_objects([desc], frames[1:], self._segments)
+                (outcome,) = wire.decode_objects([desc], frames, self._segments)
             except Exception as exc:
                 if fut is not None:
                     fut._fail(exc)
@@ -311,12 +373,10 @@ class TorchrunGroup(BackendGroup):
                 if fut is not None:
                     fut._resolve(outcome)
             self._collect_freed(state)
-        elif kind == wire.LOG:
-            self._print(state, frames[0].bytes, frames[1].bytes)
         elif kind == wire.BEAT:
             pass
         elif kind == wire.HELLO:
-            info = wire.unpack_meta(frames[0].buffer)
+            info = meta
             with self._changed:
                 state.pid = info["pid"]
                 state.host = info["host"]
@@ -324,15 +384,15 @@ class TorchrunGroup(BackendGroup):
                 state.connected = True
                 self._changed.notify_all()
         elif kind == wire.READY:
-            _key, desc, released = wire.unpack_meta(frames[0].buffer)
+            _key, desc, released = meta
             if self._pool is not None and released:
                 self._pool.release(released)
-            (outcome,) = wire.decode_objects([desc], frames[1:], self._segments)
+            (outcome,) = wire.decode_objects([desc], frames, self._segments)
             with self._changed:
                 state.ready = outcome
                 self._changed.notify_all()
         elif kind == wire.EXIT:
-            info = wire.unpack_meta(frames[0].buffer)
+            info = meta
             if self._stopping and info.get("exit_code") == 0:
                 return
             tail = "\n".join(info.get("tail") or list(state.tail))
@@ -362,13 +422,13 @@ class TorchrunGroup(BackendGroup):
 
     def _on_tick(self, now: float) -> None:
         for r in self._ranks:
-            self.channel_send_direct(b"s%d" % r.rank, [wire.PING])
+            self.channel.post(b"s%d" % r.rank, [wire.PING])
         self._collect_freed(self._ranks[0])
         for r in self._ranks:
             if r.freed and r.connected:
                 with self._lock:
                     freed, r.freed = r.freed, []
-                self.channel_send_direct(b"w%d" % r.rank, [wire.FREE, wire.pack_meta(freed)])
+                self.channel.post(b"w%d" % r.rank, [wire.head(wire.FREE, freed)])
         if self._dead is not None or self._stopping:
             return
         for r in self._ranks:
@@ -384,10 +444,6 @@ class TorchrunGroup(BackendGroup):
                     )
                 )
                 return
-
-    def channel_send_direct(self, identity: bytes, frames: list[Any]) -> None:
-        # Called on the I/O thread itself: queue; the loop flushes before it polls again.
-        self.channel._outbox.append((identity, frames))
 
     def _mark_dead(self, error: WorkerDiedError) -> None:
         with self._changed:

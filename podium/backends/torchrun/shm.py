@@ -206,6 +206,8 @@ class SegmentMap:
         return [base[off - start : off - start + n] for off, n in places]
 
     def take_releases(self) -> list[str]:
+        if not self._released:
+            return []
         out = []
         while True:
             try:

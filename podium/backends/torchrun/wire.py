@@ -1,11 +1,17 @@
 """The control channel's message layout, shared by the controller and the workers.
 
-Every message is a ZeroMQ multipart message ``[kind, meta, *frames]``:
-``kind`` is one of the constants below, ``meta`` a small pickle, and
-``frames`` the serialized objects the message carries. An object is carried
-either **inline** (its pickle header, then one frame per out-of-band buffer,
-sent without copying) or through **shared memory** (its header, with the
-buffers in a segment that ``meta`` names; see :mod:`.shm`).
+Every message is a ZeroMQ multipart message ``[head, *frames]``: ``head`` is
+one byte of kind (the constants below) followed by a small pickle (``meta``),
+and ``frames`` the serialized objects the message carries. An object is carried
+
+- **in meta** when it is a plain value (``None``, a number, a short string, an
+  ``Outcome`` of one) or a small pickle without out-of-band buffers: a no-op
+  call and its reply are then one frame each way -- with CURVE every frame is
+  encrypted on its own, and each costs a few microseconds per hop;
+- **inline** (its pickle header, then one frame per out-of-band buffer, sent
+  without copying);
+- or through **shared memory** (its header, with the buffers in a segment
+  that ``meta`` names; see :mod:`.shm`).
 
 Only the controller and the workers of one group can exchange messages: the
 socket is CURVE-encrypted and the controller admits only the group's key.
@@ -24,31 +30,47 @@ from podium.backends.torchrun.shm import (
     packed_size,
     write_buffers,
 )
+from podium.core.host import Outcome
 from podium.core.serialization import dumps, loads
 
-__all__ = ["Encoded", "decode_objects", "encode", "pack_meta", "place", "unpack_meta"]
+__all__ = [
+    "Encoded",
+    "decode_objects",
+    "encode",
+    "head",
+    "pack_meta",
+    "place",
+    "split_head",
+    "unpack_meta",
+]
 
 # worker -> controller
-HELLO = b"hello"  # a worker connected: its rank, pid, host
-READY = b"ready"  # the user's constructor ran (meta: outcome)
-RESULT = b"result"  # one call's outcome
+HELLO = b"H"  # a worker connected: its rank, pid, host
+READY = b"R"  # the user's constructor ran (meta: outcome)
+RESULT = b"r"  # one call's outcome
 # supervisor -> controller
-BEAT = b"beat"  # the supervisor (and so its worker) is alive
-LOG = b"log"  # lines the worker wrote to stdout/stderr
-EXIT = b"exit"  # the worker process ended: exit code / signal, last lines
+BEAT = b"B"  # the supervisor (and so its worker) is alive
+LOG = b"L"  # lines the worker wrote (head: LOG + b"1" or b"2", then one frame of bytes)
+EXIT = b"X"  # the worker process ended: exit code / signal, last lines
 # controller -> worker
-INIT = b"init"  # build the user's worker
-CALL = b"call"  # run one method
-FREE = b"free"  # segments the controller no longer reads
-STOP = b"stop"  # exit cleanly
+INIT = b"I"  # build the user's worker
+CALL = b"C"  # run one method
+FREE = b"F"  # segments the controller no longer reads
+STOP = b"S"  # exit cleanly
 # controller -> supervisor
-PING = b"ping"  # the controller is alive
+PING = b"P"  # the controller is alive
 
 # Objects with at least this many out-of-band bytes go through shared memory
 # when the peer is on this host; below it the socket is faster.
 SHM_MIN_BYTES = 256 * 1024
 # Frames at least this large are handed to ZeroMQ without a copy.
 ZERO_COPY_MIN = 64 * 1024
+# Pickles without out-of-band buffers up to this size travel inside ``meta``.
+IN_META_MAX = 16 * 1024
+
+# Values that the standard pickle serializes exactly as cloudpickle does (no
+# classes or functions by value), so they can ride in ``meta`` directly.
+_PLAIN = (type(None), bool, int, float, str, bytes)
 
 
 def pack_meta(obj: Any) -> bytes:
@@ -59,6 +81,30 @@ def unpack_meta(data: Any) -> Any:
     return pickle.loads(data)
 
 
+def head(kind: bytes, meta: Any = None) -> bytes:
+    """A message's first frame: its kind, then ``meta`` pickled (if any)."""
+    if meta is None:
+        return kind
+    return kind + pickle.dumps(meta, protocol=5)
+
+
+def split_head(frame: Any) -> tuple[bytes, Any]:
+    """Inverse of :func:`head` for a received frame (``bytes`` or a ``zmq.Frame``)."""
+    buf = frame if isinstance(frame, bytes) else frame.bytes
+    if len(buf) == 1:
+        return buf, None
+    return buf[:1], pickle.loads(memoryview(buf)[1:])
+
+
+def _plain(obj: Any) -> bool:
+    t = type(obj)
+    if t in _PLAIN:
+        return not isinstance(obj, (str, bytes)) or len(obj) <= IN_META_MAX
+    if t is Outcome:
+        return bool(obj.ok) and _plain(obj.value)
+    return False
+
+
 @dataclass
 class Encoded:
     """One object serialized once, to be sent to one or more peers."""
@@ -67,9 +113,13 @@ class Encoded:
     buffers: list[memoryview]
     nbytes: int
     shared: tuple[Segment, list[tuple[int, int]]] | None = field(default=None)
+    plain: tuple[Any] | None = None  # (value,) for a value that travels in meta
 
 
 def encode(obj: Any) -> Encoded:
+    if _plain(obj):
+        # cloudpickle's pickler costs ~5 us to build per call; a plain value needs none.
+        return Encoded(b"", [], 0, plain=(obj,))
     header, pbufs = dumps(obj)
     views = [b.raw() for b in pbufs]
     return Encoded(header, views, sum(v.nbytes for v in views))
@@ -81,6 +131,10 @@ def place(enc: Encoded, pool: SegmentPool | None) -> tuple[tuple[Any, ...], list
     With a ``pool`` (the peer shares this host) large objects are copied into
     shared memory once, however many peers receive them.
     """
+    if enc.plain is not None:
+        return ("v", enc.plain[0]), []
+    if not enc.buffers and len(enc.header) <= IN_META_MAX:
+        return ("b", enc.header), []
     if pool is not None and enc.nbytes >= SHM_MIN_BYTES:
         if enc.shared is None:
             try:
@@ -103,6 +157,12 @@ def decode_objects(
     out = []
     i = 0
     for desc in descs:
+        if desc[0] == "v":
+            out.append(desc[1])
+            continue
+        if desc[0] == "b":
+            out.append(loads(desc[1]))
+            continue
         header = frames[i]
         i += 1
         if desc[0] == "i":
@@ -116,6 +176,8 @@ def decode_objects(
 
 
 def is_zero_copy(frame: Any) -> bool:
+    if type(frame) is bytes:  # the common case: heads and small headers
+        return len(frame) >= ZERO_COPY_MIN
     try:
         return memoryview(frame).nbytes >= ZERO_COPY_MIN
     except TypeError:

@@ -22,6 +22,7 @@ controller) and torchrun (``RANK``, ``LOCAL_RANK``, ... ``MASTER_PORT``).
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import sys
 import time
@@ -31,6 +32,9 @@ from typing import Any
 __all__ = ["main"]
 
 _TAIL_LINES = 40
+# The supervisor's message kinds (wire.BEAT, wire.LOG, wire.EXIT): spelled out
+# here because importing wire pulls in torch, and the supervisor stays small.
+_BEAT, _LOG, _EXIT = b"B", b"L", b"X"
 
 
 def _env(name: str) -> str:
@@ -94,7 +98,7 @@ def _worker_main(rank: int) -> None:
     segments = SegmentMap()
     pool = SegmentPool(_shm_prefix(f"w{rank}")) if shm_ok else None
     hello = {"rank": rank, "pid": os.getpid(), "host": _socket.gethostname(), "shm": shm_ok}
-    send_frames(sock, [wire.HELLO, wire.pack_meta(hello)])
+    send_frames(sock, [wire.head(wire.HELLO, hello)])
     host: WorkerHost | None = None
 
     def reply(kind: bytes, key: Any, outcome: Outcome, target: str) -> None:
@@ -105,15 +109,14 @@ def _worker_main(rank: int) -> None:
         desc, frames = wire.place(enc, pool)
         sys.stdout.flush()
         sys.stderr.flush()
-        send_frames(sock, [kind, wire.pack_meta((key, desc, segments.take_releases())), *frames])
+        send_frames(sock, [wire.head(kind, (key, desc, segments.take_releases())), *frames])
 
     try:
         while True:
             msg = sock.recv_multipart(copy=False)
-            kind = msg[0].bytes
+            kind, meta = wire.split_head(msg[0])
             if kind == wire.STOP:
                 break
-            meta = wire.unpack_meta(msg[1].buffer)
             if kind == wire.FREE:
                 if pool is not None:
                     pool.release(meta)
@@ -123,7 +126,7 @@ def _worker_main(rank: int) -> None:
                 if pool is not None:
                     pool.release(freed)
                 try:
-                    (cls_with_init,) = wire.decode_objects(descs, msg[2:], segments)
+                    (cls_with_init,) = wire.decode_objects(descs, msg[1:], segments)
                     info = RankInfo.from_env()
                     if os.environ.get("PODIUM_TR_USE_GPU") == "1":
                         import torch
@@ -141,7 +144,7 @@ def _worker_main(rank: int) -> None:
                 if pool is not None:
                     pool.release(freed)
                 try:
-                    objs = wire.decode_objects(descs, msg[2:], segments)
+                    objs = wire.decode_objects(descs, msg[1:], segments)
                     del msg
                     args = tuple(objs[i] for i in arg_index)
                     kwargs = {k: objs[i] for k, i in kw_index.items()}
@@ -207,7 +210,7 @@ class _Supervisor:
             os.write(out, data)
         except OSError:
             pass
-        self.send(b"log", stream, data)
+        self.send(_LOG + stream, data)
         text = self.partial[fd] + data
         *lines, self.partial[fd] = text.split(b"\n")
         for line in lines:
@@ -262,7 +265,7 @@ class _Supervisor:
         while status is None:
             now = time.monotonic()
             if now >= next_beat:
-                self.send(b"beat")
+                self.send(_BEAT)
                 next_beat = now + self.beat
             try:
                 events = dict(poller.poll(int(self.beat * 1000)))
@@ -297,14 +300,12 @@ class _Supervisor:
                 return 1
         self.drain()
         code = os.waitstatus_to_exitcode(status)
-        import pickle
-
         info = {
             "exit_code": code if code >= 0 else None,
             "signal": -code if code < 0 else None,
             "tail": list(self.tail),
         }
-        self.send(b"exit", pickle.dumps(info))
+        self.send(_EXIT + pickle.dumps(info, protocol=5))
         self.cleanup(controller_gone=False)
         return code if code >= 0 else 128 - code
 
