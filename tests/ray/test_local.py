@@ -43,7 +43,7 @@ def local_ray() -> Iterator[None]:
 
 
 class Probe(Worker):
-    def __init__(self, tag: str = "") -> None:
+    def __init__(self, tag: Any = "") -> None:
         self.tag = tag
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -51,6 +51,7 @@ class Probe(Worker):
         return {
             "rank": self.rank,
             "pid": os.getpid(),
+            "tag_len": len(self.tag),
             "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "env": {k: os.environ.get(k) for k in (*RESERVED_ENV, "PODIUM_TEST_VAR")},
         }
@@ -162,10 +163,13 @@ def test_busy_pool_waits_for_placement_timeout_then_raises() -> None:
 
 def test_rank_env_and_worker_env() -> None:
     pool = ResourcePool([3], use_gpu=False)
+    big = torch.ones(1 << 18)  # constructor arguments above Ray's inline limit go in the store once
     with WorkerGroup(
-        pool, ClassWithInitArgs(Probe), backend="ray", worker_env={"PODIUM_TEST_VAR": "yes"}
+        pool, ClassWithInitArgs(Probe, big), backend="ray", worker_env={"PODIUM_TEST_VAR": "yes"}
     ) as wg:
-        envs = [i["env"] for i in wg.info()]
+        infos = wg.info()
+    envs = [i["env"] for i in infos]
+    assert {i["tag_len"] for i in infos} == {1 << 18}
     assert [e["RANK"] for e in envs] == ["0", "1", "2"]
     assert {e["WORLD_SIZE"] for e in envs} == {"3"}
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "2"]

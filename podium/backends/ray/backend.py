@@ -28,7 +28,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from podium.backends.ray import wire
 from podium.backends.ray.actor import actor_class
 from podium.backends.ray.futures import RayRankFuture, died_error
-from podium.backends.ray.group import RayGroup
+from podium.backends.ray.group import SHARE_BY_REF_BYTES, RayGroup
 from podium.backends.ray.placement import (
     STRATEGIES,
     alive_nodes,
@@ -207,7 +207,9 @@ class RayBackend(Backend):
             local_ranks = pool.local_rank_list()
             local_sizes = pool.local_world_size_list()
             node_ranks = [n for n, count in enumerate(pool.store) for _ in range(count)]
-            cls_payload = wire.encode(spec.cls_with_init)
+            cls_payload: Any = wire.encode(spec.cls_with_init)
+            if wire.payload_nbytes(cls_payload) > SHARE_BY_REF_BYTES:
+                cls_payload = ray.put(cls_payload)  # large constructor arguments: stored once
             refs = []
             for rank, actor in enumerate(actors):
                 info = RankInfo(
