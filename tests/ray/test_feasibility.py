@@ -13,7 +13,9 @@ def nodes(*specs: dict[str, float]) -> list[NodeSupply]:
     return [NodeSupply(f"n{i}", f"10.0.0.{i}", dict(s)) for i, s in enumerate(specs)]
 
 
-def demand(pools: list[ResourcePool], strategy: str = "STRICT_PACK", cpus: float = 1.0):
+def demand(
+    pools: list[ResourcePool], strategy: str = "STRICT_PACK", cpus: float = 1.0
+) -> list[PGDemand]:
     return demands_of(pools, cpus, strategy)
 
 
