@@ -8,6 +8,13 @@ Start-up of one group, in order:
    whose role runs torchrun, which runs podium's worker entry point;
 4. wait for every rank to connect, then send the worker class and wait for
    every constructor. Any failure tears down what was started and raises.
+
+Memory: with ``tune_malloc`` (the default) the backend raises glibc's
+mmap/trim thresholds in the controller process once, when it is created, so
+that large tensors made per call reuse heap pages instead of page-faulting a
+fresh ``mmap`` each time (see :func:`.shm.tune_malloc`). Freed memory then
+stays in the process's heap (RSS does not shrink); pass
+``backend_options={'tune_malloc': False}`` to keep glibc's defaults.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from podium.backends.torchrun.launch import (
     free_port,
     make_runner,
 )
+from podium.backends.torchrun.shm import tune_malloc
 from podium.core.backend import Backend, BackendGroup, BackendOption, Capabilities, GroupSpec
 from podium.core.resource import ResourcePool
 from podium.errors import ResourceUnavailableError
@@ -104,6 +112,16 @@ class TorchrunBackend(Backend):
             "memory (MB) each node asks for (default: 1024 per process)",
         ),
         BackendOption(
+            "tune_malloc",
+            bool,
+            True,
+            "raise glibc's mmap/trim thresholds in this (the controller's) process when the backend "
+            "starts, so large tensors made per call (the concatenated result of a DP call) reuse heap "
+            "pages instead of page-faulting a fresh mmap each time (~6x faster for 64 MiB). Trade-off: "
+            "memory this process frees stays in its heap for reuse, so RSS stays at its high-water mark. "
+            "Worker processes always do this.",
+        ),
+        BackendOption(
             "rdzv_port",
             int,
             None,
@@ -113,6 +131,8 @@ class TorchrunBackend(Backend):
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
+        if self.config["tune_malloc"]:
+            tune_malloc()
         self._runner: Any = None
         self._runner_lock = threading.Lock()
         self._groups: list[TorchrunGroup] = []

@@ -255,7 +255,7 @@ class TorchrunGroup(BackendGroup):
         for r in self._ranks:
             desc, frames = wire.place(enc, self._pool if r.shm else None)
             self.channel.send(b"w%d" % r.rank, [wire.head(wire.INIT, ([desc], [])), *frames])
-        self._put_back(enc)
+        wire.done_placing(enc, self._pool)
         deadline = time.monotonic() + timeout
         with self._changed:
             while not all(r.ready is not None for r in self._ranks):
@@ -291,7 +291,7 @@ class TorchrunGroup(BackendGroup):
         call_id = next(self._call_ids)
         batch = _Batch(len(calls))
         futures: list[RankFuture] = []
-        outgoing = []
+        outgoing: list[tuple[_Rank, TorchrunFuture, list[int], list[int], dict[str, int]]] = []
         for call in calls:
             if not 0 <= call.rank < self.world_size:
                 raise ValueError(
@@ -305,46 +305,45 @@ class TorchrunGroup(BackendGroup):
             fut = TorchrunFuture(call.rank, target, deadline, timeout, self.channel, batch)
             outgoing.append((state, fut, objs, arg_index, kw_index))
             futures.append(fut)
+        # A message that carries shared memory goes out as soon as it is built,
+        # so its rank starts while the next rank's data is copied in; small
+        # ones go out together (one pass through the channel's lock).
         # Ranks that get the same objects in the same places (every rank of a
-        # ONE_TO_ALL call) get the same message, built once.
-        built: dict[Any, tuple[list[Any], list[Any]]] = {}
-        messages = []
-        with self._lock:
-            if self._dead is not None:
-                raise self._dead
+        # ONE_TO_ALL call) get the same head, pickled once. (``place`` runs
+        # for every rank: it takes the rank's hold on a shared segment.)
+        heads: dict[Any, bytes] = {}
+        ready: list[tuple[bytes, list[Any]]] = []
+        try:
             for state, fut, objs, arg_index, kw_index in outgoing:
-                state.pending[call_id] = fut
                 pool = self._pool if state.shm else None
+                descs, frames = [], []
+                for obj in objs:
+                    desc, fr = wire.place(encoded[obj], pool)
+                    descs.append(desc)
+                    frames.extend(fr)
                 key = (tuple(objs), pool is None, tuple(arg_index), tuple(kw_index.items()))
-                if key in built:
-                    descs, frames = built[key]
-                else:
-                    descs, frames = [], []
-                    for obj in objs:
-                        desc, fr = wire.place(encoded[obj], pool)
-                        descs.append(desc)
-                        frames.extend(fr)
-                    built[key] = descs, frames
-                if state.freed:
+                with self._lock:
+                    if self._dead is not None:
+                        raise self._dead  # futures already sent were failed with it
+                    state.pending[call_id] = fut
                     freed, state.freed = state.freed, []
-                    head = wire.head(
-                        wire.CALL, (call_id, target, descs, arg_index, kw_index, freed)
-                    )
+                if freed:
+                    meta = (call_id, target, descs, arg_index, kw_index, freed)
+                    head = wire.head(wire.CALL, meta)
                 else:
-                    hkey = (key, "head")
-                    if hkey not in built:
-                        meta: tuple[Any, ...] = (call_id, target, descs, arg_index, kw_index, [])
-                        built[hkey] = ([wire.head(wire.CALL, meta)], [])
-                    head = built[hkey][0][0]
-                messages.append((state.identity, [head, *frames]))
-        for enc in encoded.values():
-            self._put_back(enc)
-        self.channel.send_many(messages)
+                    head = heads.get(key) or heads.setdefault(
+                        key, wire.head(wire.CALL, (call_id, target, descs, arg_index, kw_index, []))
+                    )
+                ready.append((state.identity, [head, *frames]))
+                if any(desc[0] == "s" for desc in descs):
+                    self.channel.send_many(ready)
+                    ready = []
+            if ready:
+                self.channel.send_many(ready)
+        finally:
+            for enc in encoded.values():
+                wire.done_placing(enc, self._pool)
         return futures
-
-    def _put_back(self, enc: wire.Encoded) -> None:
-        if enc.shared is not None and self._pool is not None:
-            self._pool.put_back_if_unused(enc.shared[0])
 
     # -- the I/O thread's handlers ------------------------------------------------
 

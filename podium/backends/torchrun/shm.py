@@ -31,11 +31,54 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["SHM_DIR", "Segment", "SegmentMap", "SegmentPool", "shm_available", "unlink_prefix"]
+__all__ = [
+    "SHM_DIR",
+    "Segment",
+    "SegmentMap",
+    "SegmentPool",
+    "shm_available",
+    "tune_malloc",
+    "unlink_prefix",
+]
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
 _MIN_SEGMENT = 1 << 20
+
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_malloc_tuned = False
+
+
+def tune_malloc() -> bool:
+    """Keep large freed blocks in this process's heap for reuse (glibc only; once per process).
+
+    By default glibc serves every allocation above 32 MiB (and, at first,
+    above 128 KiB) with a fresh ``mmap`` and returns it to the kernel on
+    ``free``. A 64 MiB tensor made per call (``torch.cat`` in a collect, a
+    worker's ``x * 2``) then page-faults on every one of its pages each time:
+    for a 64 MiB ``cat`` that is ~13 ms of faults against ~2 ms of copying.
+    Raising the mmap and trim thresholds to 1 GiB makes such blocks come
+    from the heap and stay there once freed, so the next call reuses pages
+    that are already mapped. The trade-off: memory freed by this process is
+    kept (RSS stays at its high-water mark) instead of going back to the OS.
+    Returns whether the setting was applied.
+    """
+    global _malloc_tuned
+    if _malloc_tuned:
+        return True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(
+            libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+        )
+    except (OSError, AttributeError):
+        return False  # not glibc (musl, macOS): nothing to tune
+    _malloc_tuned = ok
+    return ok
 
 
 def shm_available() -> bool:
@@ -124,11 +167,6 @@ class SegmentPool:
     def hold(self, seg: Segment, count: int = 1) -> None:
         with self._lock:
             seg.refs += count
-
-    def put_back_if_unused(self, seg: Segment) -> None:
-        with self._lock:
-            if seg.refs == 0 and seg not in self._free and not self._closed:
-                self._free.append(seg)
 
     def release(self, names: list[str]) -> None:
         with self._lock:

@@ -36,6 +36,7 @@ from podium.core.serialization import dumps, loads
 __all__ = [
     "Encoded",
     "decode_objects",
+    "done_placing",
     "encode",
     "head",
     "pack_meta",
@@ -143,11 +144,21 @@ def place(enc: Encoded, pool: SegmentPool | None) -> tuple[tuple[Any, ...], list
                 seg = None  # /dev/shm full or unavailable: the socket still works
             if seg is not None:
                 enc.shared = (seg, write_buffers(seg, enc.buffers))
+                # The builder's own reference, dropped by done_placing once
+                # every peer's is held: a peer that releases early must not
+                # free the segment while it is still being handed out.
+                pool.hold(seg)
         if enc.shared is not None:
             seg, places = enc.shared
             pool.hold(seg)
             return ("s", seg.name, places), [enc.header]
     return ("i", len(enc.buffers)), [enc.header, *enc.buffers]
+
+
+def done_placing(enc: Encoded, pool: SegmentPool | None) -> None:
+    """``enc`` was placed for every peer that gets it: drop the builder's reference."""
+    if enc.shared is not None and pool is not None:
+        pool.release([enc.shared[0].name])
 
 
 def decode_objects(

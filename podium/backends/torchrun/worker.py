@@ -89,10 +89,15 @@ def _worker_main(rank: int) -> None:
 
     from podium.backends.torchrun import wire
     from podium.backends.torchrun.channel import send_frames
-    from podium.backends.torchrun.shm import SegmentMap, SegmentPool
+    from podium.backends.torchrun.shm import SegmentMap, SegmentPool, tune_malloc
     from podium.core.host import Outcome, RemoteFailure, WorkerHost
     from podium.core.worker import RankInfo
 
+    # This process is podium's own: keep large freed blocks in the heap so
+    # that a method making a large tensor per call (``x * 2`` on a 16 MiB
+    # shard) reuses mapped pages instead of page-faulting a fresh mmap each
+    # time (see shm.tune_malloc; costs RSS, which stays at its high-water mark).
+    tune_malloc()
     ctx, sock = _connect(b"w%d" % rank)
     shm_ok = _shm_probe_ok()
     segments = SegmentMap()
@@ -110,6 +115,7 @@ def _worker_main(rank: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         send_frames(sock, [wire.head(kind, (key, desc, segments.take_releases())), *frames])
+        wire.done_placing(enc, pool)
 
     try:
         while True:

@@ -1,0 +1,134 @@
+"""The control channel's fast paths: message layout, shared-segment references, batched waits."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from podium import ClassWithInitArgs, RemoteError, ResourcePool, Worker, WorkerGroup, get, register
+from podium.backends.torchrun import wire, worker
+from podium.backends.torchrun.backend import TorchrunBackend
+from podium.backends.torchrun.shm import SegmentMap, SegmentPool, tune_malloc, unlink_prefix
+from podium.core.decorator import Dispatch
+from podium.core.host import Outcome
+
+# -- message layout (no processes) ------------------------------------------------
+
+
+def test_head_round_trip() -> None:
+    assert wire.split_head(wire.head(wire.STOP)) == (wire.STOP, None)
+    meta = (7, "noop", [("v", None)], [0], {"k": 0}, ["seg"])
+    assert wire.split_head(wire.head(wire.CALL, meta)) == (wire.CALL, meta)
+
+
+def test_supervisor_kinds_match_the_wire() -> None:
+    # The supervisor spells its kinds out so that it does not import torch.
+    assert (worker._BEAT, worker._LOG, worker._EXIT) == (wire.BEAT, wire.LOG, wire.EXIT)
+    kinds = [wire.HELLO, wire.READY, wire.RESULT, wire.BEAT, wire.LOG, wire.EXIT]
+    kinds += [wire.INIT, wire.CALL, wire.FREE, wire.STOP, wire.PING]
+    assert len(set(kinds)) == len(kinds) and all(len(k) == 1 for k in kinds)
+
+
+@pytest.mark.parametrize("value", [None, True, 3, 2.5, "text", b"bytes", Outcome(True, 4)])
+def test_plain_values_travel_in_meta(value: object) -> None:
+    desc, frames = wire.place(wire.encode(value), None)
+    assert desc[0] == "v" and frames == []
+    assert wire.decode_objects([desc], [], SegmentMap()) == [value]
+
+
+def test_other_values_keep_cloudpickle() -> None:
+    # A failed outcome, a class and a small tensor are not "plain": cloudpickle
+    # (in meta when small and without buffers, else as frames).
+    failed = Outcome(False, None)
+    for value in (failed, Worker, [1, 2]):
+        desc, frames = wire.place(wire.encode(value), None)
+        assert desc[0] == "b" and frames == []
+        assert wire.decode_objects([desc], [], SegmentMap()) == [value]
+    t = torch.arange(4.0)
+    desc, frames = wire.place(wire.encode(t), None)
+    assert desc[0] == "i" and len(frames) == 2
+    (back,) = wire.decode_objects([desc], [bytes(f) for f in frames], SegmentMap())
+    assert torch.equal(back, t)
+
+
+def test_a_shared_segment_stays_held_until_every_peer_released_it() -> None:
+    prefix = "podium-testtransport-c-"
+    pool = SegmentPool(prefix)
+    try:
+        enc = wire.encode(torch.zeros(1 << 17))  # 512 KiB: above SHM_MIN_BYTES
+        descs = [wire.place(enc, pool)[0] for _ in range(3)]
+        assert all(d[0] == "s" for d in descs) and len({d[1] for d in descs}) == 1
+        seg = enc.shared[0]  # type: ignore[index]
+        pool.release([seg.name])  # one peer is done early, while the others still read
+        wire.done_placing(enc, pool)
+        assert pool.acquire(1 << 19) is not seg  # still held by two peers
+        pool.release([seg.name, seg.name])
+        assert pool.acquire(1 << 19) is seg  # now free for reuse
+    finally:
+        pool.close()
+        unlink_prefix(prefix)
+
+
+def test_tune_malloc_is_an_option_and_applies() -> None:
+    option = {o.name: o for o in TorchrunBackend.options}["tune_malloc"]
+    assert option.default is True and "RSS" in option.help
+    assert tune_malloc() in (True, False)  # False only off glibc
+
+
+# -- with workers ------------------------------------------------------------------
+
+
+class TransportWorker(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def total(self, t: torch.Tensor, extra: int) -> float:
+        return float(t.sum()) + extra
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def rank_zero_fails(self, seconds: float) -> int:
+        if self.rank == 0:
+            raise ValueError("rank 0 failed at once")
+        time.sleep(seconds)
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def rank_zero_first(self, seconds: float) -> int:
+        if self.rank != 0:
+            time.sleep(seconds)
+        return self.rank
+
+
+@pytest.fixture(scope="module")
+def wg():
+    group = WorkerGroup(
+        ResourcePool([2], use_gpu=False), ClassWithInitArgs(TransportWorker), backend="torchrun"
+    )
+    yield group
+    group.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_one_tensor_to_all_ranks_through_one_segment(wg: WorkerGroup) -> None:
+    # Every rank reads the same segment; its references must outlive the
+    # fastest rank's release, call after call.
+    for i in range(20):
+        t = torch.full((256, 1024), float(i))  # 1 MiB
+        assert wg.total(t, i) == [float(t.sum()) + i] * 2
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_rank_ends_the_wait_for_its_call(wg: WorkerGroup) -> None:
+    start = time.monotonic()
+    with pytest.raises(RemoteError, match="rank 0 failed at once"):
+        get(wg.rank_zero_fails(20.0), timeout=60)
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.timeout(120)
+def test_waiting_for_some_ranks_does_not_wait_for_the_others(wg: WorkerGroup) -> None:
+    futures = wg.rank_zero_first(3.0)
+    start = time.monotonic()
+    assert get(futures[:1], timeout=30) == [0]
+    assert time.monotonic() - start < 2.5
+    assert get(futures, timeout=30) == [0, 1]
