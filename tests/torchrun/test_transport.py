@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -106,6 +107,18 @@ def wg():
     )
     yield group
     group.shutdown()
+
+
+def test_workers_on_this_host_use_the_unix_socket(wg: WorkerGroup) -> None:
+    # Same socket as the TCP port (same CURVE keys and ZAP check), private directory.
+    address = wg._group.channel.ipc_address
+    assert address.startswith("ipc://")
+    path = address[len("ipc://") :]
+    assert os.path.exists(path) and os.stat(os.path.dirname(path)).st_mode & 0o077 == 0
+    with open("/proc/net/unix") as f:
+        ends = [line for line in f if line.rstrip().endswith(path)]
+    # The listener, then the controller's end of each worker's and supervisor's connection.
+    assert len(ends) >= 1 + 2 * wg.world_size
 
 
 @pytest.mark.timeout(120)

@@ -200,6 +200,7 @@ class TorchrunGroup(BackendGroup):
         env = dict(self.spec.worker_env)
         env.update(self.channel.keys.worker_env())
         env["PODIUM_TR_ADDR"] = self.channel.address
+        env["PODIUM_TR_IPC"] = self.channel.ipc_address
         env["PODIUM_TR_GROUP"] = self.gid
         env["PODIUM_TR_USE_GPU"] = "1" if self.spec.pool.use_gpu else "0"
         env["PODIUM_TR_ORPHAN_TIMEOUT"] = str(self.config["orphan_timeout"])

@@ -60,8 +60,19 @@ def _connect(identity: bytes) -> tuple[Any, Any]:
     sock.curve_serverkey = _env("PODIUM_TR_SERVER_KEY").encode()
     sock.curve_publickey = _env("PODIUM_TR_CLIENT_KEY").encode()
     sock.curve_secretkey = _env("PODIUM_TR_CLIENT_SECRET").encode()
-    sock.connect(_env("PODIUM_TR_ADDR"))
+    sock.connect(_address())
     return ctx, sock
+
+
+def _address() -> str:
+    """The controller's Unix socket when this process shares its host, else its TCP address."""
+    ipc = os.environ.get("PODIUM_TR_IPC", "")
+    path = ipc[len("ipc://") :]
+    # The shared-memory probe proves the same host (and /dev/shm namespace);
+    # the path alone could be a network mount, where a Unix socket never connects.
+    if ipc.startswith("ipc://") and os.path.exists(path) and _shm_probe_ok():
+        return ipc
+    return _env("PODIUM_TR_ADDR")
 
 
 def _shm_prefix(rank: int | str) -> str:
