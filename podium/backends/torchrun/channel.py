@@ -1,11 +1,12 @@
 """The controller's end of a group's control channel.
 
 One ZeroMQ ROUTER socket per group, bound to loopback unless a multi-node
-address is configured, reached by one DEALER per worker and one per worker's
-supervisor. The socket is a CURVE server with keys made for this group; a
-ZAP handler (answered on this channel's own I/O thread) admits only the
-group's client key, so a peer without the keys never gets a message to the
-group -- its attempt is logged and the group keeps working.
+address is configured (and to a Unix socket in a private directory, which
+workers on this host use), reached by one DEALER per worker and one per
+worker's supervisor. The socket is a CURVE server with keys made for this
+group; a ZAP handler (answered by whichever thread serves the channel)
+admits only the group's client key, so a peer without the keys never gets a
+message to the group -- its attempt is logged and the group keeps working.
 
 A ZeroMQ socket must be used by one thread at a time: whoever holds the
 channel's ``_io`` lock uses the sockets. Incoming messages go to the
