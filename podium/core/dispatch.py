@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from podium.core.decorator import DispatchMode
 from podium.core.futures import DataProtoFuture
-from podium.core.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from podium.core.protocol import DataProto, cat_batches, pad_dataproto_to_divisor, unpad_dataproto
 from podium.errors import DispatchError
 
 if TYPE_CHECKING:
@@ -109,6 +109,8 @@ def _split_sizes(x: Any, sizes: Sequence[int]) -> list[Any]:
 def concat_data(parts: Sequence[Any]) -> Any:
     if parts and all(isinstance(p, DataProto) for p in parts):
         return DataProto.concat(list(parts))
+    if parts and all(isinstance(p, TensorDict) for p in parts):
+        return cat_batches(list(parts))
     if parts and all(isinstance(p, TensorDictBase) for p in parts):
         return torch.cat(list(parts), dim=0)
     return list(parts)

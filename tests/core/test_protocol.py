@@ -549,3 +549,23 @@ def test_serializer_sends_tensor_data_out_of_band():
 def test_copy_via_pickle_round_trip():
     data = make(4)
     assert_same(serialization.copy_via_pickle(data), data)
+
+
+def test_concat_of_large_tensors_matches_torch_cat():
+    # Above 1 MiB the rows are joined through numpy; dtypes numpy lacks must survive.
+    parts = [
+        DataProto.from_dict(
+            {
+                "f": torch.randn(300, 1024),
+                "b": torch.randn(300, 2048).to(torch.bfloat16),
+                "nested": {"i": torch.arange(300 * 1024).reshape(300, 1024) + k},
+            }
+        )
+        for k in range(3)
+    ]
+    out = DataProto.concat(parts)
+    for key in ("f", "b", ("nested", "i")):
+        expected = torch.cat([p.batch[key] for p in parts])
+        assert out.batch[key].dtype == expected.dtype and torch.equal(out.batch[key], expected)
+    out.batch["f"][0, 0] = 123.0  # an ordinary writable tensor that shares nothing with the parts
+    assert parts[0].batch["f"][0, 0] != 123.0
