@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from podium.core.backend import (
     ENTRY_POINT_GROUP,
     KNOWN_EXTRAS,
-    load_plugins,
     backend_class,
+    load_plugins,
 )
 from podium.errors import UnknownBackendError
 
