@@ -1,11 +1,12 @@
 """One running group of torchrun-launched workers, as the controller sees it.
 
 The group owns its :class:`~podium.backends.torchrun.channel.ControlChannel`
-and the torchx app. Everything the workers send arrives on the channel's I/O
-thread (:meth:`TorchrunGroup._on_message`), which resolves futures, prints
-forwarded output with a rank prefix, and turns a supervisor's exit report or
-a missed heartbeat into :class:`~podium.errors.WorkerDiedError` for every
-pending and later call.
+and the torchx app. Everything the workers send arrives on whichever thread
+serves the channel -- a caller waiting for results, or the channel's I/O
+thread when no caller is active -- in :meth:`TorchrunGroup._on_message`,
+which resolves futures, prints forwarded output with a rank prefix, and turns
+a supervisor's exit report or a missed heartbeat into
+:class:`~podium.errors.WorkerDiedError` for every pending and later call.
 """
 
 from __future__ import annotations
@@ -24,114 +25,19 @@ from typing import Any
 
 from podium.backends.torchrun import wire
 from podium.backends.torchrun.channel import ControlChannel
+from podium.backends.torchrun.futures import CallBatch, TorchrunFuture
 from podium.backends.torchrun.shm import SegmentMap, SegmentPool, shm_available, unlink_prefix
 from podium.core.backend import BackendGroup, GroupSpec, RankCall
 from podium.core.futures import RankFuture
 from podium.core.host import Outcome
 from podium.core.serialization import ensure_importable_by_value
-from podium.errors import CallTimeoutError, WorkerDiedError, WorkerStartupError
+from podium.errors import WorkerDiedError, WorkerStartupError
 
 __all__ = ["TorchrunFuture", "TorchrunGroup"]
 
 log = logging.getLogger("podium.torchrun")
 
 _TAIL_LINES = 40
-
-
-class _Batch:
-    """What the futures of one submission share: how many are pending, whether one failed."""
-
-    __slots__ = ("failed", "left", "size")
-
-    def __init__(self, n: int) -> None:
-        self.size = n
-        self.left = n
-        self.failed = False
-
-    def settled(self) -> bool:
-        return self.failed or self.left <= 0
-
-
-class TorchrunFuture(RankFuture):
-    """One rank's pending call; resolved by whichever thread serves the channel.
-
-    A thread that waits serves the channel itself (see :mod:`.channel`), so
-    resolving needs no ``threading.Event``: a flag, set after the outcome, is
-    what waiters look at.
-    """
-
-    def __init__(
-        self,
-        rank: int,
-        method: str,
-        deadline: float | None,
-        timeout: float | None,
-        channel: ControlChannel,
-        batch: _Batch,
-    ) -> None:
-        super().__init__(rank, method)
-        self._channel = channel
-        self._batch = batch
-        self._done = False
-        self._outcome: Outcome | None = None
-        self._error: BaseException | None = None
-        self._deadline = deadline
-        self._timeout = timeout
-
-    # Resolved on the thread serving the channel (which holds its lock);
-    # failed from there or from shutdown. ``failed`` is set before ``left``
-    # can be wrong, so a waiter never misses the end of a batch.
-    def _resolve(self, outcome: Outcome) -> None:
-        self._outcome = outcome
-        self._done = True
-        if not outcome.ok:
-            self._batch.failed = True
-        self._batch.left -= 1
-
-    def _fail(self, error: BaseException) -> None:
-        if not self._done:
-            self._error = error
-            self._done = True
-            self._batch.failed = True
-            self._batch.left -= 1
-
-    def done(self) -> bool:
-        return self._done
-
-    def result(self, timeout: float | None = None) -> Any:
-        wait = timeout
-        if self._deadline is not None:
-            left = max(0.0, self._deadline - time.monotonic())
-            wait = left if wait is None else min(wait, left)
-        if not self._done and not self._channel.wait(self.done, wait):
-            if self._deadline is not None and time.monotonic() >= self._deadline:
-                raise CallTimeoutError(self.method, self._timeout or 0.0, [self.rank])
-            raise CallTimeoutError(self.method, timeout or 0.0, [self.rank])
-        if self._error is not None:
-            raise self._error
-        outcome = self._outcome
-        if outcome is None:  # cannot happen: _done is set with one of the two
-            raise RuntimeError(f"future of rank {self.rank} resolved without a result")
-        return outcome.unwrap()
-
-    @classmethod
-    def gather(cls, futures: Sequence[RankFuture], timeout: float | None = None) -> list[Any]:
-        # Wait for a whole submission in one go (one pass through the channel's
-        # wait instead of one per rank), stopping early when any rank failed;
-        # the base class then collects results and errors in rank order.
-        first = futures[0] if futures else None
-        if (
-            isinstance(first, TorchrunFuture)
-            and not first._batch.settled()
-            and all(isinstance(f, TorchrunFuture) and f._batch is first._batch for f in futures)
-            and len({id(f) for f in futures}) == first._batch.size  # the whole submission
-        ):
-            wait = timeout
-            if first._deadline is not None:  # one submission: one deadline
-                left = max(0.0, first._deadline - time.monotonic())
-                wait = left if wait is None else min(wait, left)
-            first._channel.wait(first._batch.settled, wait)
-        return super().gather(futures, timeout)
 
 
 @dataclass
@@ -290,7 +196,7 @@ class TorchrunGroup(BackendGroup):
         deadline = None if timeout is None else time.monotonic() + timeout
         # One id for the whole call: each rank keys its own pending calls.
         call_id = next(self._call_ids)
-        batch = _Batch(len(calls))
+        batch = CallBatch(len(calls))
         futures: list[RankFuture] = []
         outgoing: list[tuple[_Rank, TorchrunFuture, list[int], list[int], dict[str, int]]] = []
         for call in calls:

@@ -1,0 +1,110 @@
+"""A torchrun group's futures: one per rank and call, resolved by whichever thread serves the channel."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from podium.backends.torchrun.channel import ControlChannel
+from podium.core.futures import RankFuture
+from podium.core.host import Outcome
+from podium.errors import CallTimeoutError
+
+__all__ = ["CallBatch", "TorchrunFuture"]
+
+
+class CallBatch:
+    """What the futures of one submission share: how many are pending, whether one failed."""
+
+    __slots__ = ("failed", "left", "size")
+
+    def __init__(self, n: int) -> None:
+        self.size = n
+        self.left = n
+        self.failed = False
+
+    def settled(self) -> bool:
+        return self.failed or self.left <= 0
+
+
+class TorchrunFuture(RankFuture):
+    """One rank's pending call; resolved by whichever thread serves the channel.
+
+    A thread that waits serves the channel itself (see :mod:`.channel`), so
+    resolving needs no ``threading.Event``: a flag, set after the outcome, is
+    what waiters look at.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        method: str,
+        deadline: float | None,
+        timeout: float | None,
+        channel: ControlChannel,
+        batch: CallBatch,
+    ) -> None:
+        super().__init__(rank, method)
+        self._channel = channel
+        self._batch = batch
+        self._done = False
+        self._outcome: Outcome | None = None
+        self._error: BaseException | None = None
+        self._deadline = deadline
+        self._timeout = timeout
+
+    # Resolved on the thread serving the channel (which holds its lock);
+    # failed from there or from shutdown. ``failed`` is set before ``left``
+    # can be wrong, so a waiter never misses the end of a batch.
+    def _resolve(self, outcome: Outcome) -> None:
+        self._outcome = outcome
+        self._done = True
+        if not outcome.ok:
+            self._batch.failed = True
+        self._batch.left -= 1
+
+    def _fail(self, error: BaseException) -> None:
+        if not self._done:
+            self._error = error
+            self._done = True
+            self._batch.failed = True
+            self._batch.left -= 1
+
+    def done(self) -> bool:
+        return self._done
+
+    def result(self, timeout: float | None = None) -> Any:
+        wait = timeout
+        if self._deadline is not None:
+            left = max(0.0, self._deadline - time.monotonic())
+            wait = left if wait is None else min(wait, left)
+        if not self._done and not self._channel.wait(self.done, wait):
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                raise CallTimeoutError(self.method, self._timeout or 0.0, [self.rank])
+            raise CallTimeoutError(self.method, timeout or 0.0, [self.rank])
+        if self._error is not None:
+            raise self._error
+        outcome = self._outcome
+        if outcome is None:  # cannot happen: _done is set with one of the two
+            raise RuntimeError(f"future of rank {self.rank} resolved without a result")
+        return outcome.unwrap()
+
+    @classmethod
+    def gather(cls, futures: Sequence[RankFuture], timeout: float | None = None) -> list[Any]:
+        # Wait for a whole submission in one go (one pass through the channel's
+        # wait instead of one per rank), stopping early when any rank failed;
+        # the base class then collects results and errors in rank order.
+        first = futures[0] if futures else None
+        if (
+            isinstance(first, TorchrunFuture)
+            and not first._batch.settled()
+            and all(isinstance(f, TorchrunFuture) and f._batch is first._batch for f in futures)
+            and len({id(f) for f in futures}) == first._batch.size  # the whole submission
+        ):
+            wait = timeout
+            if first._deadline is not None:  # one submission: one deadline
+                left = max(0.0, first._deadline - time.monotonic())
+                wait = left if wait is None else min(wait, left)
+            first._channel.wait(first._batch.settled, wait)
+        return super().gather(futures, timeout)
