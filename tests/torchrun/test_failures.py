@@ -71,7 +71,7 @@ CONTROLLER = textwrap.dedent(
             return os.getpid()
 
     wg = WorkerGroup(ResourcePool([2], use_gpu=False), ClassWithInitArgs(W), backend="torchrun")
-    print("GROUP", wg._group.gid, *wg.pid(), flush=True)
+    print("GROUP", wg._group.gid, wg._group.channel.ipc_address, *wg.pid(), flush=True)
     time.sleep(600)
     """
 )
@@ -88,7 +88,7 @@ def test_controller_sigkilled_leaves_no_workers(tmp_path, procs) -> None:
             line = proc.stdout.readline()
             if not line and proc.poll() is not None:
                 pytest.fail(f"controller exited early with {proc.returncode}")
-        _, gid, *pids = line.split()
+        _, gid, ipc, *pids = line.split()
         assert len(procs.find(gid)) >= 5  # an agent, 2 supervisors, 2 workers
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -96,6 +96,8 @@ def test_controller_sigkilled_leaves_no_workers(tmp_path, procs) -> None:
         left = procs.wait_gone(gid, 15)
         assert left == [], f"still running 15 s after the controller died: {left}"
         assert time.monotonic() - killed_at < 15
+        # Rank 0's supervisor removed what the controller could not: its Unix socket too.
+        assert not os.path.exists(os.path.dirname(ipc[len("ipc://") :]))
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -331,9 +331,19 @@ class _Supervisor:
 
         unlink_prefix(_shm_prefix(f"w{self.rank}"))
         if controller_gone and self.rank == 0:
-            # Nobody else is left to remove the controller's segments.
+            # Nobody else is left to remove the controller's segments, nor the
+            # private directory of its Unix socket.
             unlink_prefix(_shm_prefix("c"))
-            unlink_prefix(_shm_prefix("probe")[:-1])
+            ipc = os.environ.get("PODIUM_TR_IPC", "")
+            if ipc.startswith("ipc://") and _shm_probe_ok():  # same host as the controller
+                path = ipc[len("ipc://") :]
+                if os.path.basename(os.path.dirname(path)).startswith("podium-zmq-"):
+                    for remove, leftover in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
+                        try:
+                            remove(leftover)
+                        except OSError:
+                            pass
+            unlink_prefix(_shm_prefix("probe")[:-1])  # last: the check above reads it
         self.sock.close(linger=500)
         self.ctx.term()
 
