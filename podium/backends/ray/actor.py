@@ -94,6 +94,8 @@ class _RankActor:
         return self._encode(self.host.run(target, args, kwargs), target)
 
     def _encode(self, outcome: Outcome, target: str) -> wire.Payload:
+        if outcome.ok and outcome.value is None:
+            return None  # the common "returns nothing": Ray moves None cheaper than bytes
         try:
             return wire.encode(outcome)
         except Exception as exc:  # the user's return value does not pickle

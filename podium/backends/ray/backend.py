@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from podium.backends.ray import wire
 from podium.backends.ray.actor import actor_class
-from podium.backends.ray.futures import RayRankFuture, died_error
+from podium.backends.ray.futures import RayRankFuture, decode_outcome, died_error
 from podium.backends.ray.group import SHARE_BY_REF_BYTES, RayGroup
 from podium.backends.ray.placement import (
     STRATEGIES,
@@ -232,7 +232,7 @@ class RayBackend(Backend):
                 }
                 refs.append(actor.setup.remote(info, env, cls_payload))
             for payload in self._wait_start(refs, list(range(len(actors))), deadline):
-                wire.decode(payload).unwrap()  # a failing user constructor raises here, as itself
+                decode_outcome(payload).unwrap()  # a failing user constructor raises here, as itself
         except BaseException:
             for actor in actors:
                 try:

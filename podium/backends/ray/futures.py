@@ -19,6 +19,7 @@ from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
 
 from podium.backends.ray import wire
 from podium.core.futures import RankFuture
+from podium.core.host import Outcome
 from podium.errors import CallTimeoutError, WorkerDiedError
 
 __all__ = ["RayRankFuture", "died_error"]
@@ -102,7 +103,15 @@ class RayRankFuture(RankFuture):
             ) from None
         except GetTimeoutError:  # pragma: no cover - only called on ready refs
             raise CallTimeoutError(self.method, 0.0, [self.rank]) from None
-        self._value = wire.decode(payload)
+        self._value = decode_outcome(payload)
+
+
+_OK_NONE = Outcome(True, None)
+
+
+def decode_outcome(payload: Any) -> Outcome:
+    """A rank's encoded :class:`Outcome`; ``None`` is an ok call that returned nothing."""
+    return _OK_NONE if payload is None else wire.decode(payload)
 
 
 def _fast_path(todo: list[RayRankFuture], deadline: float | None) -> bool:
@@ -127,7 +136,7 @@ _decoder_lock = threading.Lock()
 
 def _decode_all(payloads: list[Any]) -> list[Any]:
     if len(payloads) < 2 or sum(wire.payload_nbytes(p) for p in payloads) < _PARALLEL_DECODE_BYTES:
-        return [wire.decode(p) for p in payloads]
+        return [decode_outcome(p) for p in payloads]
     global _decoder
     with _decoder_lock:
         if _decoder is None:
@@ -135,7 +144,7 @@ def _decode_all(payloads: list[Any]) -> list[Any]:
                 max_workers=max(1, min(4, os.cpu_count() or 1)),
                 thread_name_prefix="podium-ray-decode",
             )
-    return list(_decoder.map(wire.decode, payloads))
+    return list(_decoder.map(decode_outcome, payloads))
 
 
 def _slow_path(todo: list[RayRankFuture], deadline: float | None, limit: float | None) -> None:

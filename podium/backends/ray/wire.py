@@ -72,6 +72,8 @@ def decode(payload: Payload) -> Any:
 
 
 def payload_nbytes(payload: Payload) -> int:
+    if payload is None:
+        return 0
     if isinstance(payload, bytes):
         return len(payload)
     header, arrays, _ = payload
