@@ -16,8 +16,6 @@ from podium.core.backend import GroupSpec
 from podium.core.decorator import Dispatch
 from podium.errors import WorkerDiedError
 
-ENTRY = "podium.backends.torchrun.worker"
-
 
 class SlowWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -135,5 +133,5 @@ def test_slurm_dry_run_for_two_gpu_nodes() -> None:
             "--ntasks-per-node=1" in job and "--gpus-per-task=4" in job and "--partition=gpu" in job
         )
     assert script.count("--nnodes 2 --nproc-per-node 4") == 2
-    assert script.count(f"-m {ENTRY}") == 2
+    assert script.count("--no-python") == 2 and script.count("worker.py") == 2
     assert "--rdzv-backend c10d" in script

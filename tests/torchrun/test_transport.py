@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -99,6 +100,16 @@ class TransportWorker(Worker):
             time.sleep(seconds)
         return self.rank
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def dynamo_state(self) -> tuple[bool, bool, float]:
+        loaded = "torch._dynamo" in sys.modules
+        from tensordict.utils import _lock_warn
+
+        compiled = torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+        # tensordict's import-time assume_constant_result, replayed when Dynamo loaded.
+        marked = getattr(_lock_warn, "_dynamo_marked_constant", False)
+        return loaded, marked, float(compiled.sum())
+
 
 @pytest.fixture(scope="module")
 def wg():
@@ -145,3 +156,10 @@ def test_waiting_for_some_ranks_does_not_wait_for_the_others(wg: WorkerGroup) ->
     assert get(futures[:1], timeout=30) == [0]
     assert time.monotonic() - start < 2.5
     assert get(futures, timeout=30) == [0, 1]
+
+
+@pytest.mark.timeout(120)
+def test_workers_import_dynamo_only_when_something_compiles(wg: WorkerGroup) -> None:
+    # The worker defers torch._dynamo (lazy_dynamo): not loaded by podium's
+    # imports, and tensordict's registrations replayed once torch.compile loads it.
+    assert wg.dynamo_state() == [(False, True, 4.0)] * 2

@@ -23,9 +23,20 @@ if TYPE_CHECKING:
 
     from podium.core.resource import ResourcePool
 
-__all__ = ["WORKER_MODULE", "app_for_pool", "check_pool_shape", "free_port", "make_runner"]
+__all__ = ["BOOT", "WORKER_MODULE", "app_for_pool", "check_pool_shape", "free_port", "make_runner"]
 
 WORKER_MODULE = "podium.backends.torchrun.worker"
+# What each torchrun process runs (``python -u -c BOOT``): the worker module's
+# file, found on the worker's host and loaded by path, so that the process
+# does not import the ``podium`` package (torch, tensordict) before it forks
+# its worker -- see the worker module's docstring. No "$": torchx templates it.
+BOOT = (
+    "import importlib.util as u, os; "
+    "d = u.find_spec('podium').submodule_search_locations[0]; "
+    "s = u.spec_from_file_location('podium_torchrun_worker', "
+    "os.path.join(d, 'backends', 'torchrun', 'worker.py')); "
+    "m = u.module_from_spec(s); s.loader.exec_module(m); m.main()"
+)
 ROLE_NAME = "podium"
 
 
@@ -115,8 +126,11 @@ def app_for_pool(
         "0",
         "--role",
         ROLE_NAME,
-        "-m",
-        WORKER_MODULE,
+        "--no-python",
+        shlex.quote(interpreter),
+        "-u",
+        "-c",
+        shlex.quote(BOOT),
     ]
     gpus = 0
     if pool.use_gpu:

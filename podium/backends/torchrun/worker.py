@@ -1,4 +1,4 @@
-"""The worker entry point torchrun runs: ``python -m podium.backends.torchrun.worker``.
+"""The worker entry point torchrun runs (see :data:`.launch.BOOT`).
 
 Each torchrun process splits in two at once:
 
@@ -14,6 +14,12 @@ Each torchrun process splits in two at once:
   heartbeat this way, and a ``SIGKILL`` or ``os._exit`` is reported within
   milliseconds. When the controller stops answering (even after a
   ``SIGKILL``), the supervisor kills the worker and exits.
+
+torchrun loads this file by its path, not as ``podium.backends.torchrun.worker``:
+importing a module of the package imports ``podium`` (torch, tensordict),
+~2 s of CPU that the supervisor never needs; only the worker imports it, after
+the fork, with ``torch._dynamo`` deferred (:mod:`.lazy_dynamo`). So nothing
+here imports podium at module level. (``python -m`` still works.)
 
 Everything arrives through the environment (``PODIUM_TR_*``, set by the
 controller) and torchrun (``RANK``, ``LOCAL_RANK``, ... ``MASTER_PORT``).
@@ -92,11 +98,37 @@ def _shm_probe_ok() -> bool:
         return False
 
 
+def _sibling(name: str) -> Any:
+    """A module next to this file, loaded by path (importing it by name would import podium)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_podium_torchrun_{name}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _unlink_prefix(prefix: str) -> None:
+    """Remove every /dev/shm segment whose name starts with ``prefix`` (as shm.unlink_prefix)."""
+    import glob
+
+    for path in glob.glob(os.path.join("/dev/shm", glob.escape(prefix) + "*")):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 # -- the worker (child) --------------------------------------------------------
 
 
 def _worker_main(rank: int) -> None:
     import socket as _socket
+
+    _sibling("lazy_dynamo").install()  # before anything imports torch
 
     from podium.backends.torchrun import wire
     from podium.backends.torchrun.channel import send_frames
@@ -327,13 +359,11 @@ class _Supervisor:
         return code if code >= 0 else 128 - code
 
     def cleanup(self, *, controller_gone: bool) -> None:
-        from podium.backends.torchrun.shm import unlink_prefix
-
-        unlink_prefix(_shm_prefix(f"w{self.rank}"))
+        _unlink_prefix(_shm_prefix(f"w{self.rank}"))
         if controller_gone and self.rank == 0:
             # Nobody else is left to remove the controller's segments, nor the
             # private directory of its Unix socket.
-            unlink_prefix(_shm_prefix("c"))
+            _unlink_prefix(_shm_prefix("c"))
             ipc = os.environ.get("PODIUM_TR_IPC", "")
             if ipc.startswith("ipc://") and _shm_probe_ok():  # same host as the controller
                 path = ipc[len("ipc://") :]
@@ -343,7 +373,7 @@ class _Supervisor:
                             remove(leftover)
                         except OSError:
                             pass
-            unlink_prefix(_shm_prefix("probe")[:-1])  # last: the check above reads it
+            _unlink_prefix(_shm_prefix("probe")[:-1])  # last: the check above reads it
         self.sock.close(linger=500)
         self.ctx.term()
 
