@@ -45,7 +45,7 @@ from typing import Any
 import zmq
 from zmq.utils import z85
 
-from podium.backends.torchrun.wire import is_zero_copy
+from podium.backends.torchrun.wire import ZERO_COPY_MIN, is_zero_copy
 
 __all__ = ["ControlChannel", "CurveKeys"]
 
@@ -53,6 +53,9 @@ log = logging.getLogger("podium.torchrun")
 
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _SNDMORE = int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)  # ``sock.get(_RCVMORE)``: ~3x cheaper than the ``rcvmore`` attribute
 # How long after a caller's last send or wait the I/O thread stays away.
 _QUIET = 0.05
 
@@ -78,6 +81,9 @@ class CurveKeys:
 def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
     """Send a multipart message; large frames go without a copy."""
     last = len(frames) - 1
+    if last == 0 and type(frames[0]) is bytes and len(frames[0]) < ZERO_COPY_MIN:
+        sock.send(frames[0])  # a small call or reply: one frame
+        return
     for i, frame in enumerate(frames):
         sock.send(frame, _SNDMORE if i < last else 0, copy=not is_zero_copy(frame))
 
@@ -329,17 +335,18 @@ class ControlChannel:
 
     def _recv_one(self) -> None:
         """Handle one message (poll said one is there; it returns at once if more are)."""
+        router = self._router
         try:
-            frame = self._router.recv(zmq.NOBLOCK, copy=False)
+            identity = router.recv(zmq.NOBLOCK)
         except zmq.Again:
             return
-        identity = frame.bytes
-        parts = []
-        while frame.more:
-            frame = self._router.recv(copy=False)
-            parts.append(frame)
-        if parts:
-            self._safely(self._on_message, identity, parts[0].bytes, parts[1:])
+        if not router.get(_RCVMORE):
+            return
+        # Identity and head are small: as bytes (cheaper than zmq.Frame objects);
+        # the frames after them without a copy.
+        head = router.recv()
+        frames = router.recv_multipart(copy=False) if router.get(_RCVMORE) else []
+        self._safely(self._on_message, identity, head, frames)
 
     def _answer_zap(self) -> None:
         try:

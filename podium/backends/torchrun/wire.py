@@ -4,8 +4,8 @@ Every message is a ZeroMQ multipart message ``[head, *frames]``: ``head`` is
 one byte of kind (the constants below) followed by a small pickle (``meta``),
 and ``frames`` the serialized objects the message carries. An object is carried
 
-- **in meta** when it is a plain value (``None``, a number, a short string, an
-  ``Outcome`` of one) or a small pickle without out-of-band buffers: a no-op
+- **in meta** when it is a plain value (``None``, a number, a short string, or
+  a successful ``Outcome`` of one, sent as the value alone: ``("o", value)``) or a small pickle without out-of-band buffers: a no-op
   call and its reply are then one frame each way -- with CURVE every frame is
   encrypted on its own, and each costs a few microseconds per hop;
 - **inline** (its pickle header, then one frame per out-of-band buffer, sent
@@ -133,7 +133,12 @@ def place(enc: Encoded, pool: SegmentPool | None) -> tuple[tuple[Any, ...], list
     shared memory once, however many peers receive them.
     """
     if enc.plain is not None:
-        return ("v", enc.plain[0]), []
+        value = enc.plain[0]
+        if type(value) is Outcome:
+            # A successful plain outcome (most replies): its value alone, so
+            # neither side pickles a dataclass instance.
+            return ("o", value.value), []
+        return ("v", value), []
     if not enc.buffers and len(enc.header) <= IN_META_MAX:
         return ("b", enc.header), []
     if pool is not None and enc.nbytes >= SHM_MIN_BYTES:
@@ -168,8 +173,12 @@ def decode_objects(
     out = []
     i = 0
     for desc in descs:
-        if desc[0] == "v":
+        kind = desc[0]
+        if kind == "v":
             out.append(desc[1])
+            continue
+        if kind == "o":
+            out.append(Outcome(True, desc[1]))
             continue
         if desc[0] == "b":
             out.append(loads(desc[1]))
