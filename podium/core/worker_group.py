@@ -181,6 +181,7 @@ class WorkerGroup:
             raise AttributeError(self._missing_method_message(name))
         caller = functools.partial(self._call_registered, name, spec)
         functools.update_wrapper(caller, getattr(self._cls_with_init.cls, name))
+        self.__dict__[name] = caller  # later lookups skip __getattr__ (a hot path)
         return caller
 
     def __dir__(self) -> Iterable[str]:
