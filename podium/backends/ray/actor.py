@@ -41,9 +41,7 @@ class _RankActor:
         try:
             cls_with_init = wire.decode(cls_payload)
         except BaseException as exc:  # the user's class may fail to unpickle
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            return wire.encode(Outcome(False, RemoteFailure.capture(exc, info.rank, "__init__")))
+            return self._failure(exc, "__init__")
         self.host, outcome = WorkerHost.start(info, cls_with_init)
         return self._encode(outcome, "__init__")
 
@@ -53,9 +51,7 @@ class _RankActor:
         try:
             target, args, kwargs = wire.decode(message)
         except BaseException as exc:  # user objects may fail to unpickle
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            return wire.encode(Outcome(False, RemoteFailure.capture(exc, self.rank, target)))
+            return self._failure(exc, target)
         return self._run(target, args, kwargs, shared)
 
     def _call_target(
@@ -66,9 +62,7 @@ class _RankActor:
         try:
             args, kwargs = wire.decode(message)
         except BaseException as exc:  # user objects may fail to unpickle
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            return wire.encode(Outcome(False, RemoteFailure.capture(exc, self.rank, target)))
+            return self._failure(exc, target)
         return self._run(target, args, kwargs, shared)
 
     def _run(
@@ -84,14 +78,18 @@ class _RankActor:
             try:
                 values = [wire.decode(p) for p in shared]
             except BaseException as exc:  # user objects may fail to unpickle
-                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                    raise
-                return wire.encode(Outcome(False, RemoteFailure.capture(exc, self.rank, target)))
+                return self._failure(exc, target)
             args = tuple(values[a.index] if isinstance(a, wire.Shared) else a for a in args)
             kwargs = {
                 k: values[v.index] if isinstance(v, wire.Shared) else v for k, v in kwargs.items()
             }
         return self._encode(self.host.run(target, args, kwargs), target)
+
+    def _failure(self, exc: BaseException, target: str) -> wire.Payload:
+        """``exc`` (user objects that failed to unpickle) as a failed outcome for ``target``."""
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise exc
+        return wire.encode(Outcome(False, RemoteFailure.capture(exc, self.rank, target)))
 
     def _encode(self, outcome: Outcome, target: str) -> wire.Payload:
         if outcome.ok and outcome.value is None:
