@@ -224,6 +224,13 @@ class Backend(ABC):
         for key, value in spec.worker_env.items():
             if not isinstance(key, str) or not isinstance(value, str):
                 raise TypeError(f"worker_env must map str to str, got {key!r}: {value!r}")
+        from podium.core.serialization import ensure_importable_by_value
+        from podium.core.worker import user_classes
+
+        # Classes from test files or a script's sibling modules travel by value
+        # (a worker started elsewhere could not import them); one place for every backend.
+        for cls in user_classes(spec.cls_with_init):
+            ensure_importable_by_value(cls)
         return self._start_group(spec)
 
     @abstractmethod

@@ -140,6 +140,13 @@ class ColocatedWorker(Worker):
             self.roles[name] = cwa()
 
 
+def user_classes(cwa: ClassWithInitArgs[Any]) -> list[type]:
+    """The user classes a constructor builds: the class itself, or each colocated role's."""
+    if cwa.cls is ColocatedWorker and cwa.args:
+        return [cls for role in dict(cwa.args[0]).values() for cls in user_classes(role)]
+    return [cwa.cls]
+
+
 def create_colocated_worker_cls(class_dict: Mapping[str, ClassWithInitArgs[Any]]) -> ClassWithInitArgs[Any]:
     """Fuse several roles into one worker per rank.
 

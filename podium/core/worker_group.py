@@ -33,7 +33,6 @@ from podium.core.dispatch import (
 from podium.core.futures import DataProtoFuture, RankFuture, get
 from podium.core.host import MESH_INFO
 from podium.core.resource import ResourcePool
-from podium.core.serialization import ensure_importable_by_value
 from podium.core.worker import ClassWithInitArgs, ColocatedWorker
 
 __all__ = ["WorkerGroup"]
@@ -94,8 +93,6 @@ class WorkerGroup:
             )
         _check_timeout(call_timeout)
         self._backend = resolve_backend(backend, backend_options)
-        for cls in _user_classes(cls_with_init):
-            ensure_importable_by_value(cls)
         spec = GroupSpec(
             pool=resource_pool,
             cls_with_init=cls_with_init,
@@ -347,12 +344,6 @@ class WorkerGroup:
 def _check_timeout(timeout: float | None) -> None:
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ValueError(f"call_timeout must be a positive number of seconds or None, got {timeout!r}")
-
-
-def _user_classes(cwa: ClassWithInitArgs[Any]) -> list[type]:
-    if cwa.cls is ColocatedWorker:
-        return [role.cls for role in cwa.args[0].values()]
-    return [cwa.cls]
 
 
 def _default_name(cwa: ClassWithInitArgs[Any]) -> str:

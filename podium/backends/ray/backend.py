@@ -38,7 +38,6 @@ from podium.backends.ray.placement import (
 )
 from podium.core.backend import Backend, BackendOption, Capabilities, GroupSpec
 from podium.core.resource import ResourcePool
-from podium.core.serialization import ensure_importable_by_value
 from podium.core.worker import ClassWithInitArgs, ColocatedWorker, RankInfo
 from podium.core.worker_group import registered_methods
 from podium.errors import CallTimeoutError, WorkerDiedError, WorkerStartupError
@@ -157,7 +156,6 @@ class RayBackend(Backend):
 
     def _start_group(self, spec: GroupSpec) -> RayGroup:
         self._connect()
-        _make_importable(spec.cls_with_init)
         pool = spec.pool
         places, release = reserve(
             pool,
@@ -344,11 +342,3 @@ def _targets(cwa: ClassWithInitArgs[Any]) -> set[str]:
         }
     return set(registered_methods(cwa.cls))
 
-
-def _make_importable(cwa: ClassWithInitArgs[Any]) -> None:
-    """User classes from test files or scripts' sibling modules travel by value."""
-    ensure_importable_by_value(cwa.cls)
-    if cwa.cls is ColocatedWorker and cwa.args:
-        for role in dict(cwa.args[0]).values():
-            if isinstance(role, ClassWithInitArgs):
-                _make_importable(role)

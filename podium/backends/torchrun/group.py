@@ -30,7 +30,6 @@ from podium.backends.torchrun.shm import SegmentMap, SegmentPool, shm_available,
 from podium.core.backend import BackendGroup, GroupSpec, RankCall
 from podium.core.futures import RankFuture
 from podium.core.host import Outcome
-from podium.core.serialization import ensure_importable_by_value
 from podium.errors import WorkerDiedError, WorkerStartupError
 
 __all__ = ["TorchrunFuture", "TorchrunGroup"]
@@ -157,7 +156,6 @@ class TorchrunGroup(BackendGroup):
     def init_workers(self, timeout: float) -> None:
         """Send the worker class to every rank; raise the first constructor error."""
         cwi = self.spec.cls_with_init
-        _by_value(cwi)
         enc = wire.encode(cwi)
         for r in self._ranks:
             desc, frames = wire.place(enc, self._pool if r.shm else None)
@@ -410,16 +408,6 @@ class TorchrunGroup(BackendGroup):
         else:
             self.stop_workers(0)
             self.close_channel()
-
-
-def _by_value(cwi: Any) -> None:
-    """Let the worker class (and colocated roles' classes) travel by value when they must."""
-    ensure_importable_by_value(cwi.cls)
-    for value in (*cwi.args, *cwi.kwargs.values()):
-        if isinstance(value, dict):
-            for sub in value.values():
-                if hasattr(sub, "cls") and hasattr(sub, "args"):
-                    _by_value(sub)
 
 
 def _slot(
