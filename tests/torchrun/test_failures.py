@@ -135,3 +135,19 @@ def test_slurm_dry_run_for_two_gpu_nodes() -> None:
     assert script.count("--nnodes 2 --nproc-per-node 4") == 2
     assert script.count("--no-python") == 2 and script.count("worker.py") == 2
     assert "--rdzv-backend c10d" in script
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_that_cannot_start_is_reported_with_its_output() -> None:
+    from podium.errors import WorkerStartupError
+
+    with pytest.raises(WorkerStartupError) as info:
+        WorkerGroup(
+            ResourcePool([1], use_gpu=False),
+            ClassWithInitArgs(SlowWorker),
+            backend="torchrun",
+            backend_options={"python": "/nonexistent/podium-python"},
+        )
+    text = str(info.value)
+    assert "ended before every worker connected" in text
+    assert "/nonexistent/podium-python" in text  # the agent's own output names the problem

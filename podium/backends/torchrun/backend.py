@@ -224,7 +224,9 @@ class TorchrunBackend(Backend):
             def ended() -> str | None:
                 status = runner.status(group.app_handle)
                 if status is not None and status.state.name in _TERMINAL:
-                    return f"state {status.state.name}" + (f": {status.msg}" if status.msg else "")
+                    text = f"state {status.state.name}" + (f": {status.msg}" if status.msg else "")
+                    agent = _agent_log_tail(runner, group.app_handle)
+                    return f"{text}; last lines of the torchrun agent:\n{agent}" if agent else text
                 return None
 
             group.wait_started(ended, timeout)
@@ -270,3 +272,14 @@ class TorchrunBackend(Backend):
 def _app_name(prefix: str) -> str:
     clean = "".join(c if c.isalnum() or c in "-_" else "-" for c in prefix).strip("-_") or "podium"
     return f"podium-{clean}"[:40]
+
+
+def _agent_log_tail(runner: Any, handle: Any, lines: int = 20) -> str:
+    """The end of node 0's torchrun agent output, when the scheduler keeps it (best effort)."""
+    from podium.backends.torchrun.launch import ROLE_NAME
+
+    try:
+        tail = list(runner.log_lines(handle, ROLE_NAME, 0))[-lines:]
+    except Exception:  # schedulers without logs, or logs already gone
+        return ""
+    return "".join(line if line.endswith("\n") else line + "\n" for line in tail).rstrip()
