@@ -33,6 +33,7 @@ from podium.core.worker_group import WorkerGroup
 from podium.errors import (
     CallTimeoutError,
     DispatchError,
+    GroupShutdownError,
     PodiumError,
     RemoteError,
     ResourceUnavailableError,
@@ -54,6 +55,7 @@ __all__ = [
     "Dispatch",
     "DispatchError",
     "Execute",
+    "GroupShutdownError",
     "PodiumError",
     "RankFuture",
     "RemoteError",

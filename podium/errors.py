@@ -12,6 +12,7 @@ from typing import Any
 __all__ = [
     "CallTimeoutError",
     "DispatchError",
+    "GroupShutdownError",
     "PodiumError",
     "RemoteError",
     "ResourceUnavailableError",
@@ -114,6 +115,26 @@ class WorkerDiedError(PodiumError):
         if log_tail:
             text += f"\n--- last log lines of rank {rank} ---\n{log_tail}"
         super().__init__(text)
+
+
+class GroupShutdownError(PodiumError, RuntimeError):
+    """A call was cut short because its group was shut down while it ran (or before it ran).
+
+    Every backend raises this one type for calls in flight when ``shutdown()``
+    runs, promptly and without waiting for them; ``shutdown()`` itself does
+    not wait on them either.
+    """
+
+    def __init__(self, group: str, *, method: str = "", ranks: list[int] | None = None) -> None:
+        self.group = group
+        self.method = method
+        self.ranks = list(ranks or [])
+        what = f"call {method!r}" if method else "a call"
+        where = f" on ranks {self.ranks}" if self.ranks else ""
+        super().__init__(
+            f"{what}{where} was cut short: group {group!r} was shut down while it was pending. "
+            "Wait for the call's result before shutting the group down, or expect this error."
+        )
 
 
 class CallTimeoutError(PodiumError, TimeoutError):

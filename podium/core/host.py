@@ -146,9 +146,25 @@ class WorkerHost:
             self._loop = asyncio.new_event_loop()
         return self._loop.run_until_complete(awaitable)
 
-    def close(self) -> None:
+    def close(self) -> RemoteFailure | None:
+        """Run the worker's ``shutdown()`` hook (once), then close the event loop.
+
+        Returns the hook's failure, if any, for the backend to log; never raises
+        for an error in user code.
+        """
+        failure: RemoteFailure | None = None
+        worker, self.worker = self.worker, None
+        hook = getattr(worker, "shutdown", None) if worker is not None else None
+        if callable(hook):
+            try:
+                result = hook()
+                if inspect.isawaitable(result):
+                    self._run_async(result)
+            except Exception as exc:
+                failure = RemoteFailure.capture(exc, self.info.rank, "shutdown")
         if self._loop is not None and not self._loop.is_closed():
             self._loop.close()
+        return failure
 
 
 def _materialize(value: Any) -> Any:

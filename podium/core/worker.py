@@ -103,6 +103,18 @@ class Worker:
     def _query_dispatch_collect_info(self, mesh_name: str) -> tuple[int, bool] | None:
         return self._podium_mesh.get(mesh_name)
 
+    def shutdown(self) -> None:
+        """Release what this worker holds; called once on every rank when its group stops.
+
+        Override it to close files, clients or process groups. Every backend calls
+        it before the worker's process (or object) goes away -- on ``shutdown()``
+        of the group and when a group is dropped without one -- and then lets the
+        process exit normally, so ``atexit`` handlers run too. The backend waits a
+        bounded time for it, then kills the process. An exception here is logged
+        by the backend, never raised at the controller. Not called when the
+        worker's process dies or is killed.
+        """
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
     def execute_with_func_generator(self, func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``func(self, *args, **kwargs)`` on every rank with its shard of the data."""
@@ -138,6 +150,19 @@ class ColocatedWorker(Worker):
         self.roles: dict[str, Any] = {}
         for name, cwa in roles.items():
             self.roles[name] = cwa()
+
+    def shutdown(self) -> None:
+        """Shut each role down, in reverse order of construction; every role runs even if one fails."""
+        errors: list[BaseException] = []
+        for role in reversed(list(self.roles.values())):
+            hook = getattr(role, "shutdown", None)
+            if callable(hook):
+                try:
+                    hook()
+                except Exception as exc:
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
 def user_classes(cwa: ClassWithInitArgs[Any]) -> list[type]:
