@@ -134,7 +134,10 @@ def test_slurm_dry_run_for_two_gpu_nodes() -> None:
         )
     assert script.count("--nnodes 2 --nproc-per-node 4") == 2
     assert script.count("--no-python") == 2 and script.count("worker.py") == 2
-    assert "--rdzv-backend c10d" in script
+    # podium's static rendezvous (nothing unpickled), node ranks from the replica ids
+    assert script.count("--rdzv-backend podium-static") == 2 and "c10d" not in script
+    assert "--rdzv-conf rank=0" in script and "--rdzv-conf rank=1" in script
+    assert "GLOO_SOCKET_IFNAME" not in script  # multi-node: torch.distributed uses the network
 
 
 @pytest.mark.timeout(120)

@@ -143,3 +143,13 @@ def test_unauthenticated_clients_execute_nothing(wg: WorkerGroup, tmp_path, capl
     assert any("refused a connection" in r.getMessage() for r in caplog.records)
     # the group keeps working
     assert [i["rank"] for i in wg.where()] == [0, 1, 2, 3]
+
+
+def test_every_listener_of_the_group_is_on_loopback(wg: WorkerGroup, procs) -> None:
+    wg.all_reduce()  # the workers' gloo process group is up (its pair sockets listen too)
+    pids = procs.find(wg._group.gid)
+    assert len(pids) >= 2 + 4 + 4  # two agents, four supervisors, four workers
+    listeners = procs.listening(pids)
+    assert listeners  # the agent's rendezvous store, gloo
+    exposed = [s for s in listeners if s[1] not in ("127.0.0.1", "::1")]
+    assert exposed == [], f"listening beyond loopback: {exposed}"

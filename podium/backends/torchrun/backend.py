@@ -40,6 +40,8 @@ from podium.errors import ResourceUnavailableError
 __all__ = ["TorchrunBackend"]
 
 _LOCAL_SCHEDULERS = ("local_cwd", "local_docker", "local")
+# Schedulers whose nodes all share this host's network (local_docker gives each its own).
+_LOOPBACK_SCHEDULERS = ("local_cwd", "local")
 _TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
@@ -125,7 +127,8 @@ class TorchrunBackend(Backend):
             "rdzv_port",
             int,
             None,
-            "c10d rendezvous port on rank 0's host (multi-node; default: free port)",
+            "rendezvous store port on rank 0's host (multi-node; default: a free port on local "
+            "schedulers, 29500 on others)",
         ),
     )
 
@@ -184,6 +187,7 @@ class TorchrunBackend(Backend):
             rdzv_port=port,
             cpu=self.config["cpu_per_node"] or nproc,
             mem_mb=self.config["mem_mb_per_node"] or 1024 * nproc,
+            local=self.scheduler in _LOOPBACK_SCHEDULERS,
         )
 
     def dryrun(self, spec: GroupSpec) -> Any:

@@ -1,14 +1,27 @@
 """Turning a pool into a torchx app that runs torchrun, and running it.
 
 A pool ``[n, n, ...]`` (``k`` entries) becomes one torchx role with ``k``
-replicas, each running ``torchrun --nnodes k --nproc-per-node n`` with c10d
-rendezvous -- the shape of torchx's ``dist.ddp`` component -- and torchrun
-runs podium's worker entry point. torchrun must run the same number of
-processes on every node, so a pool with unequal entries is refused.
+replicas, each running ``torchrun --nnodes k --nproc-per-node n`` -- the
+shape of torchx's ``dist.ddp`` component -- and torchrun runs podium's worker
+entry point. torchrun must run the same number of processes on every node,
+so a pool with unequal entries is refused.
+
+The agents meet through podium's static rendezvous (:mod:`.rendezvous`: no
+pickle, a store that listens on the rendezvous address only). On a local
+scheduler that address is ``127.0.0.1`` and gloo's and NCCL's sockets are
+bound to the loopback interface too, so nothing of the group listens beyond
+this host. On a multi-node scheduler the store listens on node 0's address
+and torch.distributed's traffic must stay on a trusted network (see
+``docs/trust-model.md``).
+
+torchx substitutes its macros in every argument and environment value with
+``string.Template`` (``$$`` becomes ``$``): every value podium hands it is
+escaped (:func:`escape`).
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import socket
@@ -23,13 +36,22 @@ if TYPE_CHECKING:
 
     from podium.core.resource import ResourcePool
 
-__all__ = ["BOOT", "WORKER_MODULE", "app_for_pool", "check_pool_shape", "free_port", "make_runner"]
+__all__ = [
+    "BOOT",
+    "LAUNCH",
+    "WORKER_MODULE",
+    "app_for_pool",
+    "check_pool_shape",
+    "escape",
+    "free_port",
+    "make_runner",
+]
 
 WORKER_MODULE = "podium.backends.torchrun.worker"
 # What each torchrun process runs (``python -u -c BOOT``): the worker module's
 # file, found on the worker's host and loaded by path, so that the process
 # does not import the ``podium`` package (torch, tensordict) before it forks
-# its worker -- see the worker module's docstring. No "$": torchx templates it.
+# its worker -- see the worker module's docstring.
 BOOT = (
     "import importlib.util as u, os; "
     "d = u.find_spec('podium').submodule_search_locations[0]; "
@@ -37,6 +59,18 @@ BOOT = (
     "os.path.join(d, 'backends', 'torchrun', 'worker.py')); "
     "m = u.module_from_spec(s); s.loader.exec_module(m); m.main()"
 )
+# What each node's agent runs (``python -c LAUNCH <torchrun arguments>``):
+# torchrun with podium's rendezvous registered, loaded by path as BOOT does.
+LAUNCH = (
+    "import importlib.util as u, os, sys; "
+    "d = u.find_spec('podium').submodule_search_locations[0]; "
+    "s = u.spec_from_file_location('podium_torchrun_rendezvous', "
+    "os.path.join(d, 'backends', 'torchrun', 'rendezvous.py')); "
+    "m = u.module_from_spec(s); s.loader.exec_module(m); m.main(sys.argv[1:])"
+)
+# Interface variables that bind torch.distributed's sockets to loopback on a
+# local scheduler (unless the user chose an interface).
+_LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 ROLE_NAME = "podium"
 
 
@@ -75,6 +109,11 @@ def visible_devices(pool: ResourcePool) -> str | None:
     return ",".join(str(i) for i in lists.pop())
 
 
+def escape(value: str) -> str:
+    """``value`` as torchx must be given it to hand it on unchanged (its macros use ``$``)."""
+    return value.replace("$", "$$")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -91,9 +130,17 @@ def app_for_pool(
     cpu: int = 1,
     mem_mb: int = 1024,
     gpus_per_node: int | None = None,
+    local: bool = True,
 ) -> AppDef:
-    """The torchx app that starts ``pool``'s ranks."""
+    """The torchx app that starts ``pool``'s ranks.
+
+    ``local``: every node runs on this host (a local scheduler), so the
+    rendezvous and torch.distributed stay on loopback. So they do for a
+    one-node pool on any scheduler.
+    """
     from torchx import specs
+
+    from podium.backends.torchrun.rendezvous import BACKEND
 
     nnodes, nproc = check_pool_shape(pool)
     role_env = dict(env)
@@ -101,23 +148,32 @@ def app_for_pool(
     if devices is not None:
         role_env["CUDA_VISIBLE_DEVICES"] = devices
     role_env.setdefault("LOGLEVEL", "WARNING")
+    if local or nnodes == 1:
+        for name, value in _LOOPBACK_ENV.items():
+            if name not in role_env and name not in os.environ:
+                role_env[name] = value
     if nnodes == 1:
-        endpoint = "localhost:0"  # one agent: let it pick a free port
+        endpoint = "127.0.0.1:0"  # one agent: its store picks a free port on loopback
+    elif local:
+        endpoint = f"127.0.0.1:{rdzv_port or 29500}"
     else:
-        port = rdzv_port or 29500
-        # The scheduler names rank 0's host in this variable (torchx macro); "$$" escapes torchx's template.
-        endpoint = f"$${{{specs.macros.rank0_env}:=localhost}}:{port}"
-    interpreter = python or sys.executable
+        # The scheduler names rank 0's host in this variable (torchx macro), for
+        # bash to expand ("$$": escaped from torchx's template, as escape() does).
+        endpoint = f"$${{{specs.macros.rank0_env}:=localhost}}:{rdzv_port or 29500}"
+    # Every part but torchx's own macros (app id, replica id) is escaped.
+    interpreter = escape(shlex.quote(python or sys.executable))
     cmd = [
-        shlex.quote(interpreter),
-        "-m",
-        "torch.distributed.run",
+        interpreter,
+        "-c",
+        escape(shlex.quote(LAUNCH)),
         "--rdzv-backend",
-        "c10d",
+        BACKEND,
         "--rdzv-endpoint",
         endpoint,
         "--rdzv-id",
         specs.macros.app_id,
+        "--rdzv-conf",
+        f"rank={specs.macros.replica_id}",
         "--nnodes",
         str(nnodes),
         "--nproc-per-node",
@@ -127,10 +183,10 @@ def app_for_pool(
         "--role",
         ROLE_NAME,
         "--no-python",
-        shlex.quote(interpreter),
+        interpreter,
         "-u",
         "-c",
-        shlex.quote(BOOT),
+        escape(shlex.quote(BOOT)),
     ]
     gpus = 0
     if pool.use_gpu:
@@ -145,7 +201,7 @@ def app_for_pool(
                 args=["-c", " ".join(cmd)],
                 num_replicas=nnodes,
                 resource=specs.Resource(cpu=cpu, gpu=gpus, memMB=mem_mb),
-                env=role_env,
+                env={name: escape(value) for name, value in role_env.items()},
                 port_map={"c10d": rdzv_port or 29500},
                 max_retries=0,
             )
