@@ -15,6 +15,9 @@ from podium.core.decorator import Dispatch
 
 pytestmark = pytest.mark.timeout(180)
 
+# torchx's template syntax ("$$", "$name") must reach the workers as it is.
+DOLLARS = "a$$b$c ${d}"
+
 
 class NodeWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -44,6 +47,10 @@ class NodeWorker(Worker):
         return float(t.item())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def env(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def shout(self, text: str) -> None:
         print(f"{text} from {self.rank}", flush=True)
 
@@ -52,7 +59,10 @@ class NodeWorker(Worker):
 def wg():
     backend = load_backend("torchrun")
     group = WorkerGroup(
-        ResourcePool([2, 2], use_gpu=False), ClassWithInitArgs(NodeWorker), backend=backend
+        ResourcePool([2, 2], use_gpu=False),
+        ClassWithInitArgs(NodeWorker),
+        backend=backend,
+        worker_env={"PODIUM_TEST_DOLLARS": DOLLARS},
     )
     yield group
     group.shutdown()
@@ -153,3 +163,23 @@ def test_every_listener_of_the_group_is_on_loopback(wg: WorkerGroup, procs) -> N
     assert listeners  # the agent's rendezvous store, gloo
     exposed = [s for s in listeners if s[1] not in ("127.0.0.1", "::1")]
     assert exposed == [], f"listening beyond loopback: {exposed}"
+
+
+def test_worker_env_values_reach_the_workers_unchanged(wg: WorkerGroup) -> None:
+    assert wg.env("PODIUM_TEST_DOLLARS") == [DOLLARS] * 4
+
+
+def test_no_process_of_the_group_holds_a_secret_key_in_its_environment(
+    wg: WorkerGroup, procs
+) -> None:
+    group = wg._group
+    secrets = [secret for _, secret in group.channel.keys.clients]
+    pids = procs.find(group.gid)
+    assert len(pids) >= 2 + 4 + 4
+    for pid in pids:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+        assert not any(secret in env for secret in secrets), f"pid {pid}"
+        assert b"PODIUM_TR_CLIENT_SECRET" not in env
+    # every rank read its key file and removed it (the last one, the directory)
+    assert not os.path.exists(group.worker_env()["PODIUM_TR_KEYS"])

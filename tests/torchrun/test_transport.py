@@ -21,8 +21,10 @@ from podium.core.host import Outcome
 
 def test_head_round_trip() -> None:
     assert wire.split_head(wire.head(wire.STOP)) == (wire.STOP, None)
-    meta = (7, "noop", [("v", None)], [0], {"k": 0}, ["seg"])
+    meta = (7, "noop", (("v", None), ("b", b"\x80")), (0,), {"k": 0}, ("seg", "\ud800"))
     assert wire.split_head(wire.head(wire.CALL, meta)) == (wire.CALL, meta)
+    # lists travel as tuples (msgpack arrays)
+    assert wire.split_head(wire.head(wire.FREE, ["a", "b"])) == (wire.FREE, ("a", "b"))
 
 
 def test_supervisor_kinds_match_the_wire() -> None:
@@ -33,11 +35,23 @@ def test_supervisor_kinds_match_the_wire() -> None:
     assert len(set(kinds)) == len(kinds) and all(len(k) == 1 for k in kinds)
 
 
-@pytest.mark.parametrize("value", [None, True, 3, 2.5, "text", b"bytes", Outcome(True, 4)])
+@pytest.mark.parametrize(
+    "value", [None, True, 3, -(1 << 63), 2.5, "text", "\udcff", b"bytes", Outcome(True, 4)]
+)
 def test_plain_values_travel_in_meta(value: object) -> None:
     desc, frames = wire.place(wire.encode(value), None)
     assert desc[0] in "vo" and frames == []
-    assert wire.decode_objects([desc], [], SegmentMap()) == [value]
+    head = wire.head(wire.RESULT, (0, desc, []))
+    (_, back, _) = wire.split_head(head)[1]
+    assert wire.decode_objects([back], [], SegmentMap()) == [value]
+
+
+def test_integers_beyond_64_bits_keep_pickle() -> None:
+    for value in (1 << 64, -(1 << 63) - 1, Outcome(True, 1 << 100)):
+        desc, _ = wire.place(wire.encode(value), None)
+        assert desc[0] == "b"
+        (_, back, _) = wire.split_head(wire.head(wire.RESULT, (0, desc, [])))[1]
+        assert wire.decode_objects([back], [], SegmentMap()) == [value]
 
 
 def test_other_values_keep_cloudpickle() -> None:

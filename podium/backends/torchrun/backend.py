@@ -19,6 +19,7 @@ stays in the process's heap (RSS does not shrink); pass
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -79,6 +80,15 @@ class TorchrunBackend(Backend):
         ),
         BackendOption(
             "bind_host", str, None, "interface the control socket binds (default: controller_host)"
+        ),
+        BackendOption(
+            "key_dir",
+            str,
+            None,
+            "directory in which each group leaves its ranks' CURVE keys (a 0700 subdirectory, one "
+            "0600 file per rank, deleted by the rank when it starts); every worker node must see it "
+            "under the same path, as the same user. Default: the system temp dir on local schedulers, "
+            "the current working directory (a shared filesystem, as Slurm jobs assume) on others",
         ),
         BackendOption(
             "start_timeout", (int, float), 180.0, "seconds to wait for every worker to start"
@@ -214,7 +224,10 @@ class TorchrunBackend(Backend):
                 demand=len(live) + 1,
                 supply=spec.pool.max_colocate_count,
             )
-        group = TorchrunGroup(spec, self.config)
+        key_dir = self.config["key_dir"]
+        if key_dir is None and self.scheduler not in _LOCAL_SCHEDULERS:
+            key_dir = os.getcwd()
+        group = TorchrunGroup(spec, {**self.config, "key_dir": key_dir})
         spec.pool.backend_state(self.name)["groups"] = [*live, group]
         group._closer = self._close_group
         runner = self.runner()

@@ -5,8 +5,16 @@ address is configured (and to a Unix socket in a private directory, which
 workers on this host use), reached by one DEALER per worker and one per
 worker's supervisor. The socket is a CURVE server with keys made for this
 group; a ZAP handler (answered by whichever thread serves the channel)
-admits only the group's client key, so a peer without the keys never gets a
-message to the group -- its attempt is logged and the group keeps working.
+admits only the group's client keys, so a peer without the keys never gets a
+message to the group -- its attempt is logged (at most once a minute, with a
+count: anyone can knock) and the group keeps working.
+
+Each rank has its own client key pair, bound to that rank's identities
+(``w<rank>`` for its worker, ``s<rank>`` for its supervisor): the ZAP handler
+stamps each connection with the rank its key belongs to (ZAP's User-Id; the
+identity a ZAP request carries is the server socket's own, not the peer's),
+and every message whose identity is not of that rank is dropped. So one
+rank's key cannot speak for another rank.
 
 A ZeroMQ socket must be used by one thread at a time: whoever holds the
 channel's ``_io`` lock uses the sockets. Incoming messages go to the
@@ -58,24 +66,58 @@ _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)  # ``sock.get(_RCVMORE)``: ~3x cheaper than the ``rcvmore`` attribute
 # How long after a caller's last send or wait the I/O thread stays away.
 _QUIET = 0.05
+# Refused connections are logged at most this often (with a count of the rest).
+_WARN_EVERY = 60.0
 
 OnMessage = Callable[[bytes, bytes, list[Any]], None]
 OnTick = Callable[[float], None]
 
 
 class CurveKeys:
-    """The keys of one group: the controller's pair and the one pair its workers share."""
+    """The keys of one group: the controller's pair and one client pair per rank.
 
-    def __init__(self) -> None:
+    Secrets never travel in an environment (which ``/proc``, job scripts and
+    schedulers show): :meth:`write_files` leaves each rank's pair in a file
+    that only this user can read, which the rank's supervisor reads and
+    deletes (see the worker module).
+    """
+
+    def __init__(self, world_size: int) -> None:
         self.server_public, self.server_secret = zmq.curve_keypair()
-        self.client_public, self.client_secret = zmq.curve_keypair()
+        self.clients = [zmq.curve_keypair() for _ in range(world_size)]
 
     def worker_env(self) -> dict[str, str]:
-        return {
-            "PODIUM_TR_SERVER_KEY": self.server_public.decode(),
-            "PODIUM_TR_CLIENT_KEY": self.client_public.decode(),
-            "PODIUM_TR_CLIENT_SECRET": self.client_secret.decode(),
-        }
+        """What every rank may know: the controller's public key."""
+        return {"PODIUM_TR_SERVER_KEY": self.server_public.decode()}
+
+    def write_files(self, directory: str) -> None:
+        """One file per rank, ``<directory>/rank-<rank>`` (0600): its public and secret key."""
+        for rank, (public, secret) in enumerate(self.clients):
+            path = os.path.join(directory, f"rank-{rank}")
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            fd = os.open(path, flags, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(public + b"\n" + secret + b"\n")
+
+
+class _RateLimitedWarning:
+    """A warning logged at most once per ``every`` seconds, with how many were held back."""
+
+    def __init__(self, every: float = _WARN_EVERY) -> None:
+        self.every = every
+        self._next = 0.0
+        self._held = 0
+
+    def __call__(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._held += 1
+            return
+        self._next = now + self.every
+        if self._held:
+            msg += f" ({self._held} more since the last such message)"
+            self._held = 0
+        log.warning(msg, *args)
 
 
 def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
@@ -94,6 +136,7 @@ class ControlChannel:
     def __init__(
         self,
         *,
+        world_size: int,
         bind_host: str,
         advertise_host: str,
         on_message: OnMessage,
@@ -101,14 +144,25 @@ class ControlChannel:
         tick: float = 0.25,
         name: str = "podium-torchrun",
     ) -> None:
-        self.keys = CurveKeys()
-        self._client_key = z85.decode(self.keys.client_public)
+        self.keys = CurveKeys(world_size)
+        # ZAP: a client key -> the rank it belongs to (the connection's User-Id).
+        self._key_rank = {
+            z85.decode(public): str(rank).encode()
+            for rank, (public, _) in enumerate(self.keys.clients)
+        }
+        # A message's identity -> the only User-Id (rank) allowed to use it.
+        self._owner = {
+            b"%s%d" % (side, rank): str(rank) for rank in range(world_size) for side in (b"w", b"s")
+        }
+        self._warn_refused = _RateLimitedWarning()
+        self._warn_impostor = _RateLimitedWarning()
         self._on_message = on_message
         self._on_tick = on_tick
         self._tick = tick
         self._outbox: deque[tuple[bytes, list[Any]]] = deque()
         self._closing = threading.Event()
         self.rejected = 0  # connection attempts refused (unknown key or no CURVE)
+        self.impostors = 0  # messages dropped: sent under another rank's identity
 
         self.ctx = zmq.Context()
         # The ZAP handler must exist before the first handshake.
@@ -292,9 +346,9 @@ class ControlChannel:
                 except (BlockingIOError, OSError):
                     pass
             elif item is self._zap:
-                self._answer_zap()
+                self._safely(self._answer_zap)
             elif item is self._monitor:
-                self._read_monitor()
+                self._safely(self._read_monitor)
 
     def _loop(self) -> None:
         """The I/O thread: serve the sockets while no caller does (between calls, idle groups)."""
@@ -337,15 +391,29 @@ class ControlChannel:
         """Handle one message (poll said one is there; it returns at once if more are)."""
         router = self._router
         try:
-            identity = router.recv(zmq.NOBLOCK)
+            # A frame, for the connection's User-Id (the rank its key belongs to).
+            first = router.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
         if not router.get(_RCVMORE):
             return
-        # Identity and head are small: as bytes (cheaper than zmq.Frame objects);
-        # the frames after them without a copy.
+        identity = first.bytes
+        # The head is small: as bytes (cheaper than a zmq.Frame); the rest without a copy.
         head = router.recv()
         frames = router.recv_multipart(copy=False) if router.get(_RCVMORE) else []
+        try:
+            user = first.get("User-Id")
+        except zmq.ZMQError:  # no User-Id: not admitted by our ZAP handler
+            user = None
+        if user is None or self._owner.get(identity) != user:
+            self.impostors += 1
+            self._warn_impostor(
+                "podium torchrun: dropped a message sent as %r with the key of rank %s; "
+                "a key is valid for its own rank only",
+                identity,
+                user,
+            )
+            return
         self._safely(self._on_message, identity, head, frames)
 
     def _answer_zap(self) -> None:
@@ -353,21 +421,28 @@ class ControlChannel:
             req = self._zap.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return
-        # RFC 27: version, request id, domain, address, identity, mechanism, credentials...
-        version, request_id, _domain, address, _identity, mechanism = req[:6]
-        credentials = req[6:]
-        ok = mechanism == b"CURVE" and len(credentials) == 1 and credentials[0] == self._client_key
-        if ok:
-            self._zap.send_multipart([version, request_id, b"200", b"OK", b"worker", b""])
-        else:
-            self.rejected += 1
-            log.warning(
-                "podium torchrun: refused a connection from %s (mechanism %s, key not this group's); "
-                "it cannot reach any worker",
-                address.decode(errors="replace"),
-                mechanism.decode(errors="replace"),
-            )
-            self._zap.send_multipart([version, request_id, b"400", b"unknown key", b"", b""])
+        # RFC 27: version, request id, domain, address, identity (the server
+        # socket's own), mechanism, credentials... The REP socket must answer
+        # every request, whatever it holds, or it never reads another one.
+        reply = [b"1.0", req[1] if len(req) > 1 else b"", b"400", b"unknown key", b"", b""]
+        try:
+            mechanism = req[5] if len(req) > 5 else b""
+            credentials = req[6:]
+            rank = None
+            if mechanism == b"CURVE" and len(credentials) == 1:
+                rank = self._key_rank.get(credentials[0])
+            if rank is not None:
+                reply[2:5] = [b"200", b"OK", rank]  # User-Id: the rank this key belongs to
+            else:
+                self.rejected += 1
+                self._warn_refused(
+                    "podium torchrun: refused a connection from %s (mechanism %s, key not this "
+                    "group's); it cannot reach any worker",
+                    bytes(req[3] if len(req) > 3 else b"?").decode(errors="replace"),
+                    bytes(mechanism).decode(errors="replace"),
+                )
+        finally:
+            self._zap.send_multipart(reply)
 
     def _read_monitor(self) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -386,7 +461,7 @@ class ControlChannel:
                 zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
             ):
                 self.rejected += 1
-                log.warning(
+                self._warn_refused(
                     "podium torchrun: refused a connection to %s that failed the CURVE handshake "
                     "(no keys or not a podium worker); nothing it sent was read",
                     event.get("endpoint", b"").decode(errors="replace")

@@ -15,7 +15,9 @@ import itertools
 import logging
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -82,18 +84,24 @@ class TorchrunGroup(BackendGroup):
             self._pool = SegmentPool(f"podium-{self.gid}-c-")
             token = secrets.token_hex(16)
             probe = f"podium-{self.gid}-probe"
-            with open(os.path.join("/dev/shm", probe), "w") as f:
+            # Private, and never through a link someone planted at that name.
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+            with os.fdopen(os.open(os.path.join("/dev/shm", probe), flags, 0o600), "w") as f:
                 f.write(token)
             self._probe = f"{probe}:{token}"
         host = config["controller_host"] or "127.0.0.1"
         bind = config["bind_host"] or host
         self.channel = ControlChannel(
+            world_size=self.world_size,
             bind_host=bind,
             advertise_host=host,
             on_message=self._on_message,
             on_tick=self._on_tick,
             name=f"podium-torchrun-{self.gid}",
         )
+        # Each rank's key pair waits in a private directory for its supervisor (0700, files 0600).
+        self._key_dir = tempfile.mkdtemp(prefix="podium-keys-", dir=config.get("key_dir"))
+        self.channel.keys.write_files(self._key_dir)
         self.channel.start()
         self.app_handle: str | None = None
         # Set by the backend, which owns the torchx app: how to stop this group.
@@ -104,6 +112,7 @@ class TorchrunGroup(BackendGroup):
     def worker_env(self) -> dict[str, str]:
         env = dict(self.spec.worker_env)
         env.update(self.channel.keys.worker_env())
+        env["PODIUM_TR_KEYS"] = self._key_dir
         env["PODIUM_TR_ADDR"] = self.channel.address
         env["PODIUM_TR_IPC"] = self.channel.ipc_address
         env["PODIUM_TR_GROUP"] = self.gid
@@ -396,6 +405,7 @@ class TorchrunGroup(BackendGroup):
 
     def close_channel(self) -> None:
         self.channel.close()
+        shutil.rmtree(self._key_dir, ignore_errors=True)
         self._segments.close()
         if self._pool is not None:
             self._pool.close()

@@ -1,8 +1,10 @@
 """The control channel's message layout, shared by the controller and the workers.
 
 Every message is a ZeroMQ multipart message ``[head, *frames]``: ``head`` is
-one byte of kind (the constants below) followed by a small pickle (``meta``),
-and ``frames`` the serialized objects the message carries. An object is carried
+one byte of kind (the constants below) followed by ``meta`` in msgpack (plain
+values, lists -- which come back as tuples -- and dicts; never pickle, so
+reading a head runs no code whoever sent it), and ``frames`` the serialized
+objects the message carries. An object is carried
 
 - **in meta** when it is a plain value (``None``, a number, a short string, or
   a successful ``Outcome`` of one, sent as the value alone: ``("o", value)``) or a small pickle without out-of-band buffers: a no-op
@@ -14,14 +16,17 @@ and ``frames`` the serialized objects the message carries. An object is carried
   that ``meta`` names; see :mod:`.shm`).
 
 Only the controller and the workers of one group can exchange messages: the
-socket is CURVE-encrypted and the controller admits only the group's key.
+socket is CURVE-encrypted and the controller admits only the group's keys,
+each for its own rank. Objects (``frames``, and ``("b", ...)`` in ``meta``)
+are cloudpickled: they are unpickled only once they came from such a peer.
 """
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgpack
 
 from podium.backends.torchrun.shm import (
     Segment,
@@ -39,10 +44,8 @@ __all__ = [
     "done_placing",
     "encode",
     "head",
-    "pack_meta",
     "place",
     "split_head",
-    "unpack_meta",
 ]
 
 # worker -> controller
@@ -69,36 +72,41 @@ ZERO_COPY_MIN = 64 * 1024
 # Pickles without out-of-band buffers up to this size travel inside ``meta``.
 IN_META_MAX = 16 * 1024
 
-# Values that the standard pickle serializes exactly as cloudpickle does (no
-# classes or functions by value), so they can ride in ``meta`` directly.
+# Values that msgpack carries exactly (ints within 64 bits), so they ride in
+# ``meta`` directly, with neither side pickling anything.
 _PLAIN = (type(None), bool, int, float, str, bytes)
-
-
-def pack_meta(obj: Any) -> bytes:
-    return pickle.dumps(obj, protocol=5)
-
-
-def unpack_meta(data: Any) -> Any:
-    return pickle.loads(data)
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 
 
 def head(kind: bytes, meta: Any = None) -> bytes:
-    """A message's first frame: its kind, then ``meta`` pickled (if any)."""
+    """A message's first frame: its kind, then ``meta`` in msgpack (if any)."""
     if meta is None:
         return kind
-    return kind + pickle.dumps(meta, protocol=5)
+    return kind + msgpack.packb(meta, use_bin_type=True, unicode_errors="surrogatepass")
 
 
 def split_head(frame: Any) -> tuple[bytes, Any]:
-    """Inverse of :func:`head` for a received frame (``bytes`` or a ``zmq.Frame``)."""
+    """Inverse of :func:`head` for a received frame (``bytes`` or a ``zmq.Frame``).
+
+    Sequences in ``meta`` come back as tuples. A head that is not msgpack is a
+    ``ValueError``.
+    """
     buf = frame if isinstance(frame, bytes) else frame.bytes
     if len(buf) == 1:
         return buf, None
-    return buf[:1], pickle.loads(memoryview(buf)[1:])
+    try:
+        meta = msgpack.unpackb(
+            memoryview(buf)[1:], use_list=False, raw=False, unicode_errors="surrogatepass"
+        )
+    except Exception as exc:  # msgpack's errors are not all ValueErrors
+        raise ValueError(f"malformed {buf[:1]!r} message head: {exc}") from None
+    return buf[:1], meta
 
 
 def _plain(obj: Any) -> bool:
     t = type(obj)
+    if t is int:
+        return _INT_MIN <= obj <= _INT_MAX  # what msgpack holds
     if t in _PLAIN:
         return not isinstance(obj, (str, bytes)) or len(obj) <= IN_META_MAX
     if t is Outcome:

@@ -22,13 +22,16 @@ the fork, with ``torch._dynamo`` deferred (:mod:`.lazy_dynamo`). So nothing
 here imports podium at module level. (``python -m`` still works.)
 
 Everything arrives through the environment (``PODIUM_TR_*``, set by the
-controller) and torchrun (``RANK``, ``LOCAL_RANK``, ... ``MASTER_PORT``).
+controller) and torchrun (``RANK``, ``LOCAL_RANK``, ... ``MASTER_PORT``),
+except the rank's CURVE key pair: the supervisor reads it from a file only
+this user can read (``$PODIUM_TR_KEYS/rank-<rank>``) and deletes the file
+before it forks, so the secret is never in an environment or on disk for
+longer than the start-up; the worker inherits it in memory.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import sys
 import time
@@ -54,7 +57,32 @@ def _env(name: str) -> str:
     return value
 
 
-def _connect(identity: bytes) -> tuple[Any, Any]:
+def _read_keys(rank: int) -> tuple[bytes, bytes]:
+    """This rank's CURVE key pair (public, secret), from the file the controller left; the file
+    is deleted (and the directory, by the last rank to read)."""
+    directory = _env("PODIUM_TR_KEYS")
+    path = os.path.join(directory, f"rank-{rank}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            public, secret = f.read().split()
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(
+            f"podium torchrun worker: cannot read this rank's key file {path} ({exc}). The "
+            "controller writes it before the job starts; on a multi-node scheduler "
+            "backend_options['key_dir'] must be a directory that every node sees under the same "
+            "path (a shared filesystem).\n"
+        )
+        sys.exit(2)
+    for remove, leftover in ((os.unlink, path), (os.rmdir, directory)):
+        try:
+            remove(leftover)
+        except OSError:
+            pass  # another rank's file is still there: it removes the directory
+    return public, secret
+
+
+def _connect(identity: bytes, keys: tuple[bytes, bytes]) -> tuple[Any, Any]:
     import zmq
 
     ctx = zmq.Context()
@@ -64,8 +92,7 @@ def _connect(identity: bytes) -> tuple[Any, Any]:
     sock.rcvhwm = 0
     sock.identity = identity
     sock.curve_serverkey = _env("PODIUM_TR_SERVER_KEY").encode()
-    sock.curve_publickey = _env("PODIUM_TR_CLIENT_KEY").encode()
-    sock.curve_secretkey = _env("PODIUM_TR_CLIENT_SECRET").encode()
+    sock.curve_publickey, sock.curve_secretkey = keys
     sock.connect(_address())
     return ctx, sock
 
@@ -125,7 +152,7 @@ def _unlink_prefix(prefix: str) -> None:
 # -- the worker (child) --------------------------------------------------------
 
 
-def _worker_main(rank: int) -> None:
+def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
     import socket as _socket
 
     import zmq
@@ -143,7 +170,7 @@ def _worker_main(rank: int) -> None:
     # shard) reuses mapped pages instead of page-faulting a fresh mmap each
     # time (see shm.tune_malloc; costs RSS, which stays at its high-water mark).
     tune_malloc()
-    ctx, sock = _connect(b"w%d" % rank)
+    ctx, sock = _connect(b"w%d" % rank, keys)
     shm_ok = _shm_probe_ok()
     segments = SegmentMap()
     pool = SegmentPool(_shm_prefix(f"w{rank}")) if shm_ok else None
@@ -228,7 +255,9 @@ def _worker_main(rank: int) -> None:
 
 
 class _Supervisor:
-    def __init__(self, rank: int, child: int, out_fd: int, err_fd: int) -> None:
+    def __init__(
+        self, rank: int, child: int, out_fd: int, err_fd: int, keys: tuple[bytes, bytes]
+    ) -> None:
         import zmq
 
         self.zmq = zmq
@@ -237,7 +266,7 @@ class _Supervisor:
         self.fds = {out_fd: (b"1", 1), err_fd: (b"2", 2)}
         self.partial: dict[int, bytes] = {out_fd: b"", err_fd: b""}
         self.tail: deque[str] = deque(maxlen=_TAIL_LINES)
-        self.ctx, self.sock = _connect(b"s%d" % rank)
+        self.ctx, self.sock = _connect(b"s%d" % rank, keys)
         self.beat = float(os.environ.get("PODIUM_TR_BEAT", "0.5"))
         self.orphan_after = float(os.environ.get("PODIUM_TR_ORPHAN_TIMEOUT", "8"))
         self.parent = os.getppid()
@@ -353,6 +382,8 @@ class _Supervisor:
                 self.kill_child("the worker ignored SIGTERM for 5 s")
                 self.cleanup(controller_gone=False)
                 return 1
+        import msgpack
+
         self.drain()
         code = os.waitstatus_to_exitcode(status)
         info = {
@@ -360,7 +391,7 @@ class _Supervisor:
             "signal": -code if code < 0 else None,
             "tail": list(self.tail),
         }
-        self.send(_EXIT + pickle.dumps(info, protocol=5))
+        self.send(_EXIT + msgpack.packb(info, use_bin_type=True))  # as wire.head does
         self.cleanup(controller_gone=False)
         return code if code >= 0 else 128 - code
 
@@ -387,6 +418,7 @@ class _Supervisor:
 def main() -> None:
     rank = int(_env("RANK"))
     _env("PODIUM_TR_ADDR")
+    keys = _read_keys(rank)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     supervisor = os.getpid()
@@ -401,7 +433,7 @@ def main() -> None:
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
         code = 0
         try:
-            _worker_main(rank)
+            _worker_main(rank, keys)
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:
@@ -415,7 +447,7 @@ def main() -> None:
         os._exit(code)
     os.close(out_w)
     os.close(err_w)
-    sys.exit(_Supervisor(rank, child, out_r, err_r).run())
+    sys.exit(_Supervisor(rank, child, out_r, err_r, keys).run())
 
 
 def _die_with_parent(parent: int) -> None:
