@@ -225,3 +225,33 @@ def test_the_shared_memory_probe_is_private(group: TorchrunGroup) -> None:
         pytest.skip("no /dev/shm here")
     name = group._probe.partition(":")[0]
     assert stat.S_IMODE(os.lstat(os.path.join("/dev/shm", name)).st_mode) == 0o600
+
+
+def test_key_dir_option_places_the_keys(tmp_path) -> None:
+    backend = load_backend("torchrun", key_dir=str(tmp_path))
+    spec = GroupSpec(
+        pool=ResourcePool([1], use_gpu=False),
+        cls_with_init=ClassWithInitArgs(Worker),
+        name_prefix="k",
+    )
+    g = TorchrunGroup(spec, backend.config)
+    try:
+        directory = g.worker_env()["PODIUM_TR_KEYS"]
+        assert os.path.dirname(directory) == str(tmp_path)
+        assert os.listdir(directory) == ["rank-0"]
+    finally:
+        g.close_channel()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_key_dir_that_is_not_a_directory_is_refused(tmp_path) -> None:
+    from podium import WorkerGroup
+
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=r"key_dir.*not a directory"):
+        WorkerGroup(
+            ResourcePool([1], use_gpu=False),
+            ClassWithInitArgs(Worker),
+            backend="torchrun",
+            backend_options={"key_dir": missing},
+        )

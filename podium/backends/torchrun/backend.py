@@ -227,6 +227,11 @@ class TorchrunBackend(Backend):
         key_dir = self.config["key_dir"]
         if key_dir is None and self.scheduler not in _LOCAL_SCHEDULERS:
             key_dir = os.getcwd()
+        if key_dir is not None and not os.path.isdir(key_dir):
+            raise ValueError(
+                f"backend_options['key_dir'] is {key_dir!r}, which is not a directory. Give a "
+                "directory that every worker node sees under the same path (a shared filesystem)."
+            )
         group = TorchrunGroup(spec, {**self.config, "key_dir": key_dir})
         spec.pool.backend_state(self.name)["groups"] = [*live, group]
         group._closer = self._close_group

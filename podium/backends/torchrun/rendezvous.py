@@ -23,7 +23,9 @@ and imports nothing of podium (the agent never needs tensordict).
 
 from __future__ import annotations
 
+import ipaddress
 import socket
+import sys
 from typing import Any
 
 __all__ = ["BACKEND", "main"]
@@ -32,9 +34,26 @@ BACKEND = "podium-static"
 _DEFAULT_TIMEOUT = 600
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _listen(host: str, port: int, nodes: int) -> socket.socket:
     """A TCP socket listening on ``host``'s address only (``port`` 0: any free port)."""
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)  # IPv4 first, as clients try it
+    family, kind, proto, _, addr = infos[0]
+    if nodes > 1 and ipaddress.ip_address(addr[0]).is_loopback and not _is_loopback(host):
+        # e.g. a host name that /etc/hosts maps to 127.0.1.1: other nodes reach
+        # this host by another address, so listen where torch's own store does.
+        sys.stderr.write(
+            f"podium rendezvous: {host} resolves to {addr[0]} on this node, which other nodes "
+            "cannot reach; the store listens on every interface (see docs/trust-model.md)\n"
+        )
+        addr = ("::" if family == socket.AF_INET6 else "0.0.0.0", port, *addr[2:])
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(addr)
@@ -58,7 +77,7 @@ def create_handler(params: Any) -> Any:
             if self._store is None:
                 if self.rank == 0:
                     # Kept open for the agent's life: the store serves on this fd.
-                    self._listener = _listen(self.master_addr, self.master_port)
+                    self._listener = _listen(self.master_addr, self.master_port, self.world_size)
                     self.master_port = int(self._listener.getsockname()[1])
                     self._store = TCPStore(
                         self.master_addr,
