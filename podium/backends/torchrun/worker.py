@@ -38,6 +38,8 @@ import time
 from collections import deque
 from typing import Any
 
+import msgpack  # small (no torch): the supervisor's exit report, as wire.head encodes it
+
 __all__ = ["main"]
 
 _TAIL_LINES = 40
@@ -382,8 +384,6 @@ class _Supervisor:
                 self.kill_child("the worker ignored SIGTERM for 5 s")
                 self.cleanup(controller_gone=False)
                 return 1
-        import msgpack
-
         self.drain()
         code = os.waitstatus_to_exitcode(status)
         info = {
@@ -391,7 +391,7 @@ class _Supervisor:
             "signal": -code if code < 0 else None,
             "tail": list(self.tail),
         }
-        self.send(_EXIT + msgpack.packb(info, use_bin_type=True))  # as wire.head does
+        self.send(_EXIT + msgpack.packb(info, use_bin_type=True))
         self.cleanup(controller_gone=False)
         return code if code >= 0 else 128 - code
 
