@@ -1,4 +1,4 @@
-"""Two simulated nodes on localhost (two torchrun agents, c10d rendezvous), and the channel's security."""
+"""Two simulated nodes on localhost (two torchrun agents, podium's static rendezvous), and the group's security."""
 
 from __future__ import annotations
 
