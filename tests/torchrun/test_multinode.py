@@ -165,6 +165,13 @@ def test_every_listener_of_the_group_is_on_loopback(wg: WorkerGroup, procs) -> N
     assert exposed == [], f"listening beyond loopback: {exposed}"
 
 
+def test_torch_distributed_sockets_are_bound_to_loopback(wg: WorkerGroup) -> None:
+    # (gloo binds to the address the host name resolves to: on most hosts not loopback)
+    assert wg.env("GLOO_SOCKET_IFNAME") == ["lo"] * 4
+    assert wg.env("NCCL_SOCKET_IFNAME") == ["lo"] * 4
+    assert {a for a, _ in (i["master"] for i in wg.where())} == {"127.0.0.1"}
+
+
 def test_worker_env_values_reach_the_workers_unchanged(wg: WorkerGroup) -> None:
     assert wg.env("PODIUM_TEST_DOLLARS") == [DOLLARS] * 4
 

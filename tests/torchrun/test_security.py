@@ -255,3 +255,14 @@ def test_a_key_dir_that_is_not_a_directory_is_refused(tmp_path) -> None:
             backend="torchrun",
             backend_options={"key_dir": missing},
         )
+
+
+def test_an_interface_the_user_chose_is_kept() -> None:
+    backend = load_backend("torchrun")
+    spec = GroupSpec(
+        pool=ResourcePool([2], use_gpu=False),
+        cls_with_init=ClassWithInitArgs(Worker),
+        name_prefix="i",
+    )
+    env = backend.app_for(spec, {"GLOO_SOCKET_IFNAME": "eth9"}).roles[0].env
+    assert env["GLOO_SOCKET_IFNAME"] == "eth9" and env["NCCL_SOCKET_IFNAME"] == "lo"
