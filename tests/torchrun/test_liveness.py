@@ -129,6 +129,23 @@ def test_a_controller_holding_the_gil_for_7_s_keeps_its_group(procs) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_workers_that_cannot_see_the_controller_process_keep_a_busy_one(monkeypatch, procs) -> None:
+    """As on another host: the supervisors go by the connection, which a held GIL keeps up."""
+    from podium.backends.torchrun import group
+
+    monkeypatch.setattr(group, "_this_process", lambda: "", raising=False)
+    wg = _group(orphan_timeout=3.0)
+    gid = wg._group.gid
+    try:
+        assert len(wg.pid()) == 2
+        _hold_the_gil(6)
+        assert len(wg.pid()) == 2
+    finally:
+        wg.shutdown()
+    assert procs.wait_gone(gid, 15) == []
+
+
+@pytest.mark.timeout(120)
 def test_a_stopped_controller_keeps_its_group(tmp_path) -> None:
     """SIGSTOP of the controller for longer than the supervisors' orphan timeout."""
     script = tmp_path / "controller.py"
@@ -163,6 +180,37 @@ def test_a_stopped_controller_keeps_its_group(tmp_path) -> None:
             proc.send_signal(signal.SIGCONT)
             proc.kill()
             proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
+
+
+@pytest.mark.timeout(120)
+def test_workers_on_another_host_leave_a_controller_that_stopped_answering(tmp_path, procs) -> None:
+    """As when the controller's host is lost: its connection goes silent (ZMTP heartbeats)."""
+    script = tmp_path / "controller.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "from podium.backends.torchrun import group\n"
+        "group._this_process = lambda: ''\n"  # the supervisors cannot see this process
+        "from test_liveness import _group\n"
+        "wg = _group(orphan_timeout=3.0)\n"
+        "print('READY', wg._group.gid, flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), line
+        gid = line.split()[1]
+        proc.send_signal(signal.SIGSTOP)
+        assert procs.wait_gone(gid, 30) == [], "workers outlived a silent controller"
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
         proc.stdin.close()
         proc.stdout.close()
 

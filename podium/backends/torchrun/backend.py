@@ -91,9 +91,11 @@ class TorchrunBackend(Backend):
             "orphan_timeout",
             (int, float),
             8.0,
-            "seconds without word from the controller, and without a connection to it, before "
-            "workers on another host exit (on the controller's host they exit as soon as it has "
-            "exited; a controller that is only paused is waited for)",
+            "seconds without word from the controller and without a live connection to it before "
+            "workers exit. On the controller's host they exit as soon as its process has exited and "
+            "wait while it is paused; elsewhere a busy controller keeps its connection (ZMTP "
+            "heartbeats need no GIL), and one whose connection goes silent (host lost, or the whole "
+            "process stopped) counts as gone after this long",
         ),
         BackendOption(
             "forward_output", bool, True, "print workers' stdout/stderr here with a rank prefix"
