@@ -231,12 +231,12 @@ def test_ten_seconds_of_submissions_without_waiting(shared) -> None:
 
 @pytest.mark.timeout(120)
 def test_get_timeout_is_not_doubled(shared) -> None:
-    futures = shared.slow(4)
+    futures = shared.slow(8)
     start = time.monotonic()
     with pytest.raises(CallTimeoutError) as info:
-        get(futures, timeout=1.5)
-    assert time.monotonic() - start < 2.7
-    assert info.value.timeout == 1.5
+        get(futures, timeout=3)
+    assert time.monotonic() - start < 5  # not 2 x 3 s
+    assert info.value.timeout == 3 and "still running" in str(info.value)
     assert get(futures, timeout=30) == [0, 1]  # the call itself goes on
 
 
@@ -264,7 +264,7 @@ def test_worker_exit_while_a_child_holds_its_output(procs) -> None:
         start = time.monotonic()
         with pytest.raises(WorkerDiedError) as info:
             get(wg.exit_on(1, 3), timeout=30)
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 10
         assert info.value.rank == 1 and info.value.exit_code == 3
         # The supervisor does not spin on the pipe the child still holds.
         time.sleep(1)
@@ -274,7 +274,7 @@ def test_worker_exit_while_a_child_holds_its_output(procs) -> None:
             assert _cpu_ticks(supervisor) - before < 50  # < 25% of a core
         start = time.monotonic()
         wg.shutdown()
-        assert time.monotonic() - start < 8
+        assert time.monotonic() - start < 10
     finally:
         wg.shutdown()
         if holder:
@@ -362,7 +362,7 @@ def test_a_start_up_failure_shows_its_traceback(tmp_path, monkeypatch) -> None:
 def test_shutdown_from_another_thread_cuts_calls_short(procs) -> None:
     wg = _group()
     gid = wg._group.gid
-    futures = [wg.slow(2) for _ in range(20)]
+    futures = [wg.slow(30) for _ in range(20)]  # 10 min of work queued
     errors: list[BaseException] = []
 
     def waiter(fut: object) -> None:
@@ -385,7 +385,7 @@ def test_shutdown_from_another_thread_cuts_calls_short(procs) -> None:
     took = time.monotonic() - start
     assert len(errors) == 20 and all(isinstance(e, GroupShutdownError) for e in errors), errors[:2]
     assert ended < 2.0, f"calls ended {ended:.1f} s after shutdown()"
-    assert took < 5.0, f"shutdown() took {took:.1f} s"
+    assert took < 10.0, f"shutdown() took {took:.1f} s"
     assert procs.wait_gone(gid, 15) == []
 
 
@@ -421,7 +421,7 @@ def test_shutdown_runs_the_hook_and_atexit_on_every_rank(tmp_path) -> None:
     time.sleep(0.5)
     start = time.monotonic()
     wg.shutdown()
-    assert time.monotonic() - start < 8
+    assert time.monotonic() - start < 10
     with pytest.raises(GroupShutdownError):
         get(futures)
     assert sorted(os.listdir(tmp_path)) == ["atexit-0", "atexit-1", "hook-0", "hook-1"]
