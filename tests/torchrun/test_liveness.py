@@ -114,18 +114,12 @@ def shared() -> WorkerGroup:
 
 
 @pytest.mark.timeout(120)
-def test_a_controller_holding_the_gil_for_7_s_keeps_its_group(procs) -> None:
-    wg = _group()
-    gid = wg._group.gid
-    try:
-        assert len(wg.pid()) == 2
-        _hold_the_gil(7)
-        assert len(wg.pid()) == 2
-        time.sleep(2)  # the supervisors' orphan timers must not fire either
-        assert len(wg.pid()) == 2
-    finally:
-        wg.shutdown()
-    assert procs.wait_gone(gid, 15) == []
+def test_a_controller_holding_the_gil_for_7_s_keeps_its_group(shared) -> None:
+    assert len(shared.pid()) == 2
+    _hold_the_gil(7)
+    assert len(shared.pid()) == 2
+    time.sleep(2)  # the supervisors' orphan timers must not fire either
+    assert len(shared.pid()) == 2
 
 
 @pytest.mark.timeout(120)
