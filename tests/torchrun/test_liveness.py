@@ -260,6 +260,11 @@ def test_worker_exit_while_a_child_holds_its_output(procs) -> None:
             get(wg.exit_on(1, 3), timeout=30)
         assert time.monotonic() - start < 10
         assert info.value.rank == 1 and info.value.exit_code == 3
+        # What the worker left running goes with it.
+        deadline = time.monotonic() + 10
+        while _proc_state(holder) not in ("gone", "Z") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _proc_state(holder) in ("gone", "Z")
         # The supervisor does not spin on the pipe the child still holds.
         time.sleep(1)
         if _proc_state(supervisor) not in ("gone", "Z"):

@@ -357,6 +357,7 @@ class _Supervisor:
         self.rank = rank
         self.child = child
         self.ctl = ctl_fd
+        self.pgid = child  # the worker leads its own process group
         self.fds = {out_fd: (b"1", 1), err_fd: (b"2", 2)}
         self.partial: dict[int, bytes] = {out_fd: b"", err_fd: b""}
         self.tail: deque[str] = deque(maxlen=_TAIL_LINES)
@@ -427,6 +428,13 @@ class _Supervisor:
             os.kill(self.child, _CONTROL_SIGNAL)
         except OSError:
             pass
+
+    def reap_leftovers(self) -> None:
+        """Kill what the ended worker left running in its process group: no orphans."""
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except OSError:
+            pass  # none left
 
     def kill_child(self, why: str) -> int | None:
         """Stop the worker (SIGTERM, then SIGKILL); its wait status, if it was reaped."""
@@ -549,6 +557,7 @@ class _Supervisor:
             gone = self.controller_gone(now, last_ping)
             if gone is not None:
                 self.kill_child(gone)
+                self.reap_leftovers()
                 self.cleanup(controller_gone=True)
                 return 0
             if os.getppid() != self.parent:
@@ -565,6 +574,7 @@ class _Supervisor:
                 break
         # Report first (a bounded read of the last output goes with it), clean up after.
         self.drain(time.monotonic() + 0.5)
+        self.reap_leftovers()
         code = os.waitstatus_to_exitcode(status) if status is not None else -int(signal.SIGKILL)
         info = {
             "exit_code": code if code >= 0 else None,
@@ -617,6 +627,9 @@ def main() -> None:
         _control.fd = ctl_r
         signal.signal(_CONTROL_SIGNAL, _control.on_signal)
         _die_with_parent(supervisor)
+        # Its own process group, so that what it starts and leaves behind
+        # (a subprocess, a DataLoader worker) goes with it (see _Supervisor.reap_leftovers).
+        os.setpgid(0, 0)
         sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
         code = 0
@@ -635,6 +648,10 @@ def main() -> None:
         # A normal interpreter exit, so that the user's atexit handlers run
         # (the supervisor bounds how long it may take).
         sys.exit(code)
+    try:
+        os.setpgid(child, child)  # as the child does: whichever runs first
+    except OSError:
+        pass
     for fd in (out_w, err_w, ctl_r):
         os.close(fd)
     sys.exit(_Supervisor(rank, child, out_r, err_r, ctl_w).run())
