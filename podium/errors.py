@@ -140,14 +140,15 @@ class GroupShutdownError(PodiumError, RuntimeError):
 class CallTimeoutError(PodiumError, TimeoutError):
     """A call (or a wait on futures) passed its deadline."""
 
-    def __init__(self, method: str, timeout: float, ranks: list[int]) -> None:
+    def __init__(self, method: str, timeout: float, ranks: list[int], *, detail: str = "") -> None:
         self.method = method
         self.timeout = timeout
         self.ranks = list(ranks)
+        self.detail = detail  # what became of the call (still running, interrupted)
         super().__init__(
             f"{method!r} did not finish within {timeout:g} s; ranks that did not answer: "
-            f"{self.ranks}. Raise the deadline with register(..., timeout=...), "
-            "WorkerGroup(..., call_timeout=...) or get(..., timeout=...)."
+            f"{self.ranks}" + (f" ({detail})" if detail else "") + ". Raise the deadline with "
+            "register(..., timeout=...), WorkerGroup(..., call_timeout=...) or get(..., timeout=...)."
         )
 
 

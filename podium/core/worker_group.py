@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -100,6 +101,9 @@ class WorkerGroup:
             worker_env=dict(worker_env or {}),
         )
         group = self._backend.start_group(spec)
+        # A group dropped without shutdown() (its last reference gone, or the
+        # interpreter exiting) releases what it holds, as shutdown() does.
+        weakref.finalize(self, group.shutdown)
         self._setup(group, cls_with_init, role=None, call_timeout=call_timeout, owner=None)
         self.resource_pool: ResourcePool | None = resource_pool
         self.name_prefix = spec.name_prefix

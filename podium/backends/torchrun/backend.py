@@ -103,7 +103,11 @@ class TorchrunBackend(Backend):
             "orphan_timeout",
             (int, float),
             8.0,
-            "seconds without the controller before workers exit",
+            "seconds without word from the controller and without a live connection to it before "
+            "workers exit. On the controller's host they exit as soon as its process has exited and "
+            "wait while it is paused; elsewhere a busy controller keeps its connection (ZMTP "
+            "heartbeats need no GIL), and one whose connection goes silent (host lost, or the whole "
+            "process stopped) counts as gone after this long",
         ),
         BackendOption(
             "forward_output", bool, True, "print workers' stdout/stderr here with a rank prefix"
@@ -132,6 +136,13 @@ class TorchrunBackend(Backend):
             "pages instead of page-faulting a fresh mmap each time (~6x faster for 64 MiB). Trade-off: "
             "memory this process frees stays in its heap for reuse, so RSS stays at its high-water mark. "
             "Worker processes always do this.",
+        ),
+        BackendOption(
+            "shutdown_timeout",
+            (int, float),
+            10.0,
+            "seconds each worker may take to run its shutdown() hook and exit when the group stops, "
+            "before it is killed",
         ),
         BackendOption(
             "rdzv_port",
@@ -259,7 +270,10 @@ class TorchrunBackend(Backend):
         return group
 
     def _close_group(self, group: TorchrunGroup) -> None:
-        group.stop_workers(0)
+        # Pending calls fail at once; each worker runs its shutdown() hook and
+        # exits (killed by its supervisor past the grace), then torchrun ends.
+        grace = float(self.config["shutdown_timeout"])
+        group.stop_workers(grace + 2.0, grace=grace)
         handle = group.app_handle
         if handle is not None:
             runner = self.runner()
@@ -297,11 +311,35 @@ def _app_name(prefix: str) -> str:
 
 
 def _agent_log_tail(runner: Any, handle: Any, lines: int = 20) -> str:
-    """The end of node 0's torchrun agent output, when the scheduler keeps it (best effort)."""
+    """What node 0's torchrun agent printed, when the scheduler keeps it (best effort).
+
+    The first traceback a worker process printed (the cause: torchrun's own
+    failure box at the end only gives an exit code), then the last ``lines``.
+    """
     from podium.backends.torchrun.launch import ROLE_NAME
 
     try:
-        tail = list(runner.log_lines(handle, ROLE_NAME, 0))[-lines:]
+        log = [line.rstrip("\n") for line in runner.log_lines(handle, ROLE_NAME, 0)]
     except Exception:  # schedulers without logs, or logs already gone
         return ""
-    return "".join(line if line.endswith("\n") else line + "\n" for line in tail).rstrip()
+    tail = log[-lines:]
+    cause = _first_traceback(log[: len(log) - len(tail)])
+    if cause:
+        tail = [*cause, "...", *tail]
+    return "\n".join(tail).rstrip()
+
+
+def _first_traceback(log: list[str], most: int = 60) -> list[str]:
+    """The first Python traceback in ``log`` that is not torchrun's own (at most ``most`` lines)."""
+    i = 0
+    while i < len(log):
+        if log[i].lstrip().startswith("Traceback (most recent call last):"):
+            end = i + 1
+            while end < len(log) and (log[end].startswith((" ", "\t")) or not log[end].strip()):
+                end += 1
+            if end < len(log) and "torch.distributed.elastic" not in log[end]:
+                block = log[i : end + 1]
+                return block if len(block) <= most else [block[0], "...", *block[-most:]]
+            i = end
+        i += 1
+    return []

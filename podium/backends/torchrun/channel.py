@@ -68,6 +68,8 @@ _POLLIN = int(zmq.POLLIN)  # ``sock.get(_RCVMORE)``: ~3x cheaper than the ``rcvm
 _QUIET = 0.05
 # Refused connections are logged at most this often (with a count of the rest).
 _WARN_EVERY = 60.0
+# The longest a tick reads queued messages before it judges heartbeats.
+_DRAIN_MAX = 0.5
 
 OnMessage = Callable[[bytes, bytes, list[Any]], None]
 OnTick = Callable[[float], None]
@@ -184,7 +186,16 @@ class ControlChannel:
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH
         )
-        port = self._router.bind_to_random_port(f"tcp://{bind_host}")
+        try:
+            port = self._router.bind_to_random_port(f"tcp://{bind_host}")
+        except zmq.ZMQError as exc:
+            for sock in (self._monitor, self._router, self._zap):
+                sock.close(linger=0)
+            self.ctx.term()
+            raise ValueError(
+                f"cannot bind the control socket to {bind_host!r} ({exc}); set "
+                "backend_options['bind_host'] (or 'controller_host') to an address of this host"
+            ) from exc
         self.port = port
         self.address = f"tcp://{advertise_host}:{port}"
         # Workers on this host connect through a Unix socket instead: no TCP
@@ -200,10 +211,14 @@ class ControlChannel:
 
         # Whoever holds ``_io`` may use the sockets (see the module docstring).
         self._io = threading.Lock()
+        self._holder = 0  # the thread that holds ``_io`` (its ident), 0 when free
         self._waiters = 0
         self._waiters_lock = threading.Lock()
         self._last_active = 0.0  # when a caller last sent or waited (monotonic)
         self._wake_r, self._wake_w = os.pipe()
+        # Held while writing to the pipe and while closing it: a thread that
+        # wakes the channel as it closes must not write into a reused fd.
+        self._wake_lock = threading.Lock()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         # One poller for the life of the channel; zmq_poll re-checks each
@@ -230,6 +245,7 @@ class ControlChannel:
         # Queue first, then flush under the lock: messages leave in submission order.
         self._outbox.extend(messages)
         if self._io.acquire(blocking=False):
+            self._holder = threading.get_ident()
             try:
                 if not self._closed:
                     self._flush_outbox()
@@ -263,6 +279,7 @@ class ControlChannel:
                         woke = True
                     got = self._io.acquire(timeout=0.001)
                 if got:
+                    self._holder = threading.get_ident()
                     try:
                         if self._closed:
                             return done()
@@ -275,6 +292,14 @@ class ControlChannel:
                 self._waiters -= 1
             self._last_active = time.monotonic()
 
+    def held_here(self) -> bool:
+        """Whether the calling thread serves the channel now (a handler, or code that interrupted one)."""
+        return self._holder == threading.get_ident()
+
+    def wake_waiters(self) -> None:
+        """Make a thread serving the channel look at its ``done`` check now (a future failed elsewhere)."""
+        self._wake()
+
     def close(self, timeout: float = 5.0) -> None:
         """Flush queued messages, stop the I/O thread, close every socket and free the port."""
         if self._closing.is_set():
@@ -284,6 +309,7 @@ class ControlChannel:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         with self._io:
+            self._holder = threading.get_ident()
             self._closed = True
             try:
                 self._flush_outbox()
@@ -292,26 +318,35 @@ class ControlChannel:
             for sock in (self._monitor, self._router, self._zap):
                 sock.close(linger=0)
             self.ctx.term()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+            self._holder = 0
+        with self._wake_lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_w = -1
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     # -- serving ----------------------------------------------------------------
 
     def _unlock(self) -> None:
         """Release ``_io``; flush what a sender queued while we held it (it could not)."""
+        self._holder = 0
         self._io.release()
         while self._outbox and not self._closed and self._io.acquire(blocking=False):
+            self._holder = threading.get_ident()
             try:
                 self._flush_outbox()
             finally:
+                self._holder = 0
                 self._io.release()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (a wake-up is pending anyway) or closed
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return  # closed
+            try:
+                os.write(self._wake_w, b"x")
+            except (BlockingIOError, OSError):
+                pass  # the pipe is full: a wake-up is pending anyway
 
     def _pump(self, done: Callable[[], bool] | None, deadline: float | None) -> None:
         """Serve the sockets (caller holds ``_io``) until ``done``, ``deadline`` or, for the
@@ -321,8 +356,13 @@ class ControlChannel:
                 self._flush_outbox()
             now = time.monotonic()
             if now >= self._next_tick:
-                self._next_tick = now + self._tick
-                self._safely(self._on_tick, now)
+                # Read everything already queued first: a tick judges heartbeats,
+                # and those may have queued up while this process was paused or
+                # busy sending. If the queue does not empty in time, read more
+                # before ticking (a late tick reads as a pause; see on_tick).
+                if self._drain(now + _DRAIN_MAX):
+                    self._next_tick = now + self._tick
+                    self._safely(self._on_tick, time.monotonic())
                 continue  # the tick may have queued messages
             if done is None:
                 if self._closing.is_set() or self._waiters or now - self._last_active < _QUIET:
@@ -335,6 +375,16 @@ class ControlChannel:
                     return
                 wait = min(wait, deadline - now)
             self._handle(self._poller.poll(max(1, math.ceil(wait * 1000))))
+
+    def _drain(self, until: float) -> bool:
+        """Handle every message that is ready now; False if some are left at ``until``."""
+        while True:
+            events = self._poller.poll(0)
+            if not events:
+                return True
+            self._handle(events)
+            if time.monotonic() >= until:
+                return False
 
     def _handle(self, events: list[tuple[Any, int]]) -> None:
         for item, _ in events:
@@ -351,30 +401,45 @@ class ControlChannel:
                 self._safely(self._read_monitor)
 
     def _loop(self) -> None:
-        """The I/O thread: serve the sockets while no caller does (between calls, idle groups)."""
+        """The I/O thread: serve the sockets while no caller does (between calls, idle groups).
+
+        An unexpected error is logged and the thread goes on serving: a group
+        whose I/O thread died would read no heartbeat and take a live group for dead.
+        """
         while not self._closing.is_set():
+            try:
+                if not self._serve_once():
+                    return
+            except Exception:
+                log.exception("podium torchrun: error in the control channel's I/O thread")
+                self._closing.wait(0.05)
+
+    def _serve_once(self) -> bool:
+        """One turn of the I/O thread; False once the channel is closed."""
+        now = time.monotonic()
+        if self._waiters == 0 and (
+            now - self._last_active >= _QUIET or now >= self._next_tick or self._outbox
+        ):
+            if self._io.acquire(blocking=False):
+                self._holder = threading.get_ident()
+                try:
+                    if self._closed:
+                        return False
+                    self._pump(None, None)
+                finally:
+                    self._unlock()
             now = time.monotonic()
-            if self._waiters == 0 and (
-                now - self._last_active >= _QUIET or now >= self._next_tick or self._outbox
-            ):
-                if self._io.acquire(blocking=False):
-                    try:
-                        if self._closed:
-                            return
-                        self._pump(None, None)
-                    finally:
-                        self._unlock()
-                now = time.monotonic()
-            # A caller is active and serves the sockets itself while it waits:
-            # keep off the GIL until it has been quiet for a while or a tick is due.
-            quiet_left = _QUIET - (now - self._last_active)
-            if self._waiters:
-                nap = _QUIET
-            elif quiet_left > 0:
-                nap = min(quiet_left, self._next_tick - now)
-            else:
-                nap = 0.001  # someone holds the sockets for a moment
-            self._closing.wait(max(nap, 0.001))
+        # A caller is active and serves the sockets itself while it waits:
+        # keep off the GIL until it has been quiet for a while or a tick is due.
+        quiet_left = _QUIET - (now - self._last_active)
+        if self._waiters:
+            nap = _QUIET
+        elif quiet_left > 0:
+            nap = min(quiet_left, self._next_tick - now)
+        else:
+            nap = 0.001  # someone holds the sockets for a moment
+        self._closing.wait(max(nap, 0.001))
+        return True
 
     def _flush_outbox(self) -> None:
         while self._outbox:

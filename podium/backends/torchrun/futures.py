@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from podium.backends.torchrun.channel import ControlChannel
@@ -13,16 +13,27 @@ from podium.errors import CallTimeoutError
 
 __all__ = ["CallBatch", "TorchrunFuture"]
 
+# Said of a wait that timed out on a call without a deadline of its own.
+_STILL_RUNNING = (
+    "the call is still running there; its futures stay valid, so get() them again to wait longer"
+)
+
 
 class CallBatch:
     """What the futures of one submission share: how many are pending, whether one failed."""
 
-    __slots__ = ("failed", "left", "size")
+    __slots__ = ("call_id", "expire", "failed", "left", "size")
 
-    def __init__(self, n: int) -> None:
+    def __init__(
+        self, n: int, call_id: int = -1, expire: Callable[[int], None] | None = None
+    ) -> None:
         self.size = n
         self.left = n
         self.failed = False
+        self.call_id = call_id
+        # Called when the call's deadline passes: fails the futures still
+        # pending with CallTimeoutError and interrupts the call on its ranks.
+        self.expire = expire
 
     def settled(self) -> bool:
         return self.failed or self.left <= 0
@@ -81,8 +92,11 @@ class TorchrunFuture(RankFuture):
             wait = left if wait is None else min(wait, left)
         if not self._done and not self._channel.wait(self.done, wait):
             if self._deadline is not None and time.monotonic() >= self._deadline:
-                raise CallTimeoutError(self.method, self._timeout or 0.0, [self.rank])
-            raise CallTimeoutError(self.method, timeout or 0.0, [self.rank])
+                self._expire()
+            if not self._done:
+                raise CallTimeoutError(
+                    self.method, timeout or 0.0, [self.rank], detail=_STILL_RUNNING
+                )
         if self._error is not None:
             raise self._error
         outcome = self._outcome
@@ -90,11 +104,17 @@ class TorchrunFuture(RankFuture):
             raise RuntimeError(f"future of rank {self.rank} resolved without a result")
         return outcome.unwrap()
 
+    def _expire(self) -> None:
+        if self._batch.expire is not None:
+            self._batch.expire(self._batch.call_id)
+
     @classmethod
     def gather(cls, futures: Sequence[RankFuture], timeout: float | None = None) -> list[Any]:
         # Wait for a whole submission in one go (one pass through the channel's
         # wait instead of one per rank), stopping early when any rank failed;
-        # the base class then collects results and errors in rank order.
+        # then collect results and errors in rank order. ``timeout`` bounds
+        # the whole of it.
+        until = None if timeout is None else time.monotonic() + timeout
         first = futures[0] if futures else None
         if (
             isinstance(first, TorchrunFuture)
@@ -107,4 +127,16 @@ class TorchrunFuture(RankFuture):
                 left = max(0.0, first._deadline - time.monotonic())
                 wait = left if wait is None else min(wait, left)
             first._channel.wait(first._batch.settled, wait)
-        return super().gather(futures, timeout)
+        out = []
+        for i, fut in enumerate(futures):
+            remaining = None if until is None else max(0.0, until - time.monotonic())
+            try:
+                out.append(fut.result(remaining))
+            except CallTimeoutError as exc:
+                if isinstance(fut, TorchrunFuture) and exc is fut._error:
+                    raise  # the call's own deadline: it names every rank it interrupted
+                pending = [f.rank for f in futures[i:] if not f.done()]
+                raise CallTimeoutError(
+                    fut.method, timeout or 0.0, pending or [fut.rank], detail=_STILL_RUNNING
+                ) from None
+        return out

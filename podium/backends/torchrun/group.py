@@ -5,12 +5,21 @@ and the torchx app. Everything the workers send arrives on whichever thread
 serves the channel -- a caller waiting for results, or the channel's I/O
 thread when no caller is active -- in :meth:`TorchrunGroup._on_message`,
 which resolves futures, prints forwarded output with a rank prefix, and turns
-a supervisor's exit report or a missed heartbeat into
+a supervisor's exit report, a stopped worker or a missed heartbeat into
 :class:`~podium.errors.WorkerDiedError` for every pending and later call.
+
+Failures name their root cause: a rank that torchrun stopped because another
+one ended first is not blamed for it (see :meth:`TorchrunGroup._blame`), and
+heartbeats missed while this process itself was paused (``SIGSTOP``, a long
+call holding the GIL) are forgiven. A call past its deadline fails with
+:class:`~podium.errors.CallTimeoutError` and is interrupted on its ranks; calls
+pending when the group shuts down fail at once with
+:class:`~podium.errors.GroupShutdownError`.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import os
@@ -32,13 +41,21 @@ from podium.backends.torchrun.shm import SegmentMap, SegmentPool, shm_available,
 from podium.core.backend import BackendGroup, GroupSpec, RankCall
 from podium.core.futures import RankFuture
 from podium.core.host import Outcome
-from podium.errors import WorkerDiedError, WorkerStartupError
+from podium.errors import CallTimeoutError, GroupShutdownError, WorkerDiedError, WorkerStartupError
 
 __all__ = ["TorchrunFuture", "TorchrunGroup"]
 
 log = logging.getLogger("podium.torchrun")
 
 _TAIL_LINES = 40
+# A tick this late means this process was paused (SIGSTOP, a long call holding
+# the GIL): heartbeats missed meanwhile are not the workers' fault.
+_PAUSED_AFTER = 1.0
+# How long a rank that torchrun stopped waits for the report of what made it
+# do so (another rank's exit or a silent supervisor) before it is blamed itself.
+_ROOT_CAUSE_WAIT = 1.5
+# Grace for a worker's shutdown() hook and interpreter exit when the group stops.
+SHUTDOWN_GRACE = 10.0
 
 
 @dataclass
@@ -49,6 +66,7 @@ class _Rank:
     host: str | None = None
     shm: bool = False
     connected: bool = False
+    exited: bool = False  # its supervisor reported how the worker ended
     last_beat: float = 0.0
     pending: dict[int, TorchrunFuture] = field(default_factory=dict)
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=_TAIL_LINES))
@@ -74,34 +92,54 @@ class TorchrunGroup(BackendGroup):
         self._call_ids = itertools.count()
         self._dead: WorkerDiedError | None = None
         self._stopping = False
+        self._torn_down: list[
+            WorkerDiedError
+        ] = []  # exits torchrun caused, waiting for their cause
+        self._blame_at = 0.0
+        self._deadlines: list[tuple[float, int]] = []  # (deadline, call id), a heap
+        self._last_tick = time.monotonic()
         self._started_at = time.monotonic()
         self._beat_timeout = float(config["heartbeat_timeout"])
         self._forward = bool(config["forward_output"])
         self._segments = SegmentMap()
         self._pool: SegmentPool | None = None
         self._probe: str | None = None
-        if shm_available():
-            self._pool = SegmentPool(f"podium-{self.gid}-c-")
-            token = secrets.token_hex(16)
-            probe = f"podium-{self.gid}-probe"
-            # Private, and never through a link someone planted at that name.
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-            with os.fdopen(os.open(os.path.join("/dev/shm", probe), flags, 0o600), "w") as f:
-                f.write(token)
-            self._probe = f"{probe}:{token}"
-        host = config["controller_host"] or "127.0.0.1"
-        bind = config["bind_host"] or host
-        self.channel = ControlChannel(
-            world_size=self.world_size,
-            bind_host=bind,
-            advertise_host=host,
-            on_message=self._on_message,
-            on_tick=self._on_tick,
-            name=f"podium-torchrun-{self.gid}",
-        )
-        # Each rank's key pair waits in a private directory for its supervisor (0700, files 0600).
-        self._key_dir = tempfile.mkdtemp(prefix="podium-keys-", dir=config.get("key_dir"))
-        self.channel.keys.write_files(self._key_dir)
+        try:
+            if shm_available():
+                self._pool = SegmentPool(f"podium-{self.gid}-c-")
+                token = secrets.token_hex(16)
+                probe = f"podium-{self.gid}-probe"
+                # Private, and never through a link someone planted at that name.
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                with os.fdopen(os.open(os.path.join("/dev/shm", probe), flags, 0o600), "w") as f:
+                    f.write(token)
+                self._probe = f"{probe}:{token}"
+            host = config["controller_host"] or "127.0.0.1"
+            bind = config["bind_host"] or host
+            self.channel = ControlChannel(
+                world_size=self.world_size,
+                bind_host=bind,
+                advertise_host=host,
+                on_message=self._on_message,
+                on_tick=self._on_tick,
+                name=f"podium-torchrun-{self.gid}",
+            )
+        except BaseException:
+            # Nothing else will: a group that failed to construct is never shut down.
+            if self._pool is not None:
+                self._pool.close()
+            unlink_prefix(f"podium-{self.gid}-")
+            raise
+        try:
+            # Each rank's key pair waits in a private directory for its supervisor (0700, files 0600).
+            self._key_dir = tempfile.mkdtemp(prefix="podium-keys-", dir=config.get("key_dir"))
+            self.channel.keys.write_files(self._key_dir)
+        except BaseException:
+            self.channel.close()
+            if self._pool is not None:
+                self._pool.close()
+            unlink_prefix(f"podium-{self.gid}-")
+            raise
         self.channel.start()
         self.app_handle: str | None = None
         # Set by the backend, which owns the torchx app: how to stop this group.
@@ -119,6 +157,7 @@ class TorchrunGroup(BackendGroup):
         env["PODIUM_TR_USE_GPU"] = "1" if self.spec.pool.use_gpu else "0"
         env["PODIUM_TR_ORPHAN_TIMEOUT"] = str(self.config["orphan_timeout"])
         env["PODIUM_TR_BEAT"] = "0.5"
+        env["PODIUM_TR_CONTROLLER"] = _this_process()
         if self._probe:
             env["PODIUM_TR_SHM_PROBE"] = self._probe
         return env
@@ -203,7 +242,7 @@ class TorchrunGroup(BackendGroup):
         deadline = None if timeout is None else time.monotonic() + timeout
         # One id for the whole call: each rank keys its own pending calls.
         call_id = next(self._call_ids)
-        batch = CallBatch(len(calls))
+        batch = CallBatch(len(calls), call_id, self._expire)
         futures: list[RankFuture] = []
         outgoing: list[tuple[_Rank, TorchrunFuture, list[int], list[int], dict[str, int]]] = []
         for call in calls:
@@ -227,6 +266,9 @@ class TorchrunGroup(BackendGroup):
         # for every rank: it takes the rank's hold on a shared segment.)
         heads: dict[Any, bytes] = {}
         ready: list[tuple[bytes, list[Any]]] = []
+        if deadline is not None:
+            with self._lock:
+                heapq.heappush(self._deadlines, (deadline, call_id))
         try:
             for state, fut, objs, arg_index, kw_index in outgoing:
                 pool = self._pool if state.shm else None
@@ -237,6 +279,8 @@ class TorchrunGroup(BackendGroup):
                     frames.extend(fr)
                 key = (tuple(objs), pool is None, tuple(arg_index), tuple(kw_index.items()))
                 with self._lock:
+                    if self._stopping:
+                        raise GroupShutdownError(self.spec.name_prefix, method=target)
                     if self._dead is not None:
                         raise self._dead  # futures already sent were failed with it
                     state.pending[call_id] = fut
@@ -269,6 +313,9 @@ class TorchrunGroup(BackendGroup):
         kind = head[:1]
         if kind == wire.LOG:
             self._print(state, head[1:2], frames[0].bytes)
+            return
+        if kind == wire.STALL:
+            self._on_stall(state, int(head[1:] or 0))
             return
         _, meta = wire.split_head(head)
         if kind == wire.RESULT:
@@ -306,18 +353,27 @@ class TorchrunGroup(BackendGroup):
                 self._changed.notify_all()
         elif kind == wire.EXIT:
             info = meta
-            if self._stopping and info.get("exit_code") == 0:
+            with self._changed:
+                state.exited = True
+                self._changed.notify_all()
+            if self._stopping:
                 return
             tail = "\n".join(info.get("tail") or list(state.tail))
-            self._mark_dead(
-                WorkerDiedError(
-                    state.rank,
-                    exit_code=info.get("exit_code"),
-                    signal=info.get("signal"),
-                    log_tail=tail,
-                    detail=f"pid {state.pid} on {state.host}",
-                )
+            cause = info.get("cause")
+            error = WorkerDiedError(
+                state.rank,
+                exit_code=info.get("exit_code"),
+                signal=info.get("signal"),
+                log_tail=tail,
+                detail=f"pid {state.pid} on {state.host}" + (f"; {cause}" if cause else ""),
             )
+            if info.get("torn_down") and self._dead is None:
+                # torchrun stopped this rank because something else ended first:
+                # wait a moment for that report (see _blame).
+                self._torn_down.append(error)
+                self._blame_at = self._blame_at or time.monotonic() + _ROOT_CAUSE_WAIT
+                return
+            self._mark_dead(error)
 
     def _collect_freed(self, state: _Rank) -> None:
         freed = self._segments.take_releases()
@@ -334,8 +390,18 @@ class TorchrunGroup(BackendGroup):
                         self._ranks[rank].freed.extend(names)
 
     def _on_tick(self, now: float) -> None:
+        if now - self._last_tick > _PAUSED_AFTER:
+            # This process did not tick for a while (stopped, or a call held the
+            # GIL): whatever was not heard meanwhile says nothing about the workers.
+            for r in self._ranks:
+                r.last_beat = max(r.last_beat, now)
+        self._last_tick = now
         for r in self._ranks:
             self.channel.post(b"s%d" % r.rank, [wire.PING])
+        while self._deadlines and self._deadlines[0][0] <= now:
+            with self._lock:
+                _, call_id = heapq.heappop(self._deadlines)
+            self._expire(call_id)
         self._collect_freed(self._ranks[0])
         for r in self._ranks:
             if r.freed and r.connected:
@@ -343,6 +409,9 @@ class TorchrunGroup(BackendGroup):
                     freed, r.freed = r.freed, []
                 self.channel.post(b"w%d" % r.rank, [wire.head(wire.FREE, freed)])
         if self._dead is not None or self._stopping:
+            return
+        if self._torn_down and now >= self._blame_at:
+            self._blame(now)
             return
         for r in self._ranks:
             if r.connected and now - r.last_beat > self._beat_timeout:
@@ -357,6 +426,88 @@ class TorchrunGroup(BackendGroup):
                     )
                 )
                 return
+
+    def _on_stall(self, state: _Rank, seconds: int) -> None:
+        """The supervisor of ``state`` says its worker has been stopped for ``seconds``."""
+        if self._dead is None and not self._stopping and seconds >= self._beat_timeout:
+            self._mark_dead(
+                WorkerDiedError(
+                    state.rank,
+                    log_tail="\n".join(state.tail),
+                    detail=(
+                        f"pid {state.pid} on {state.host} has been stopped (state T: SIGSTOP, "
+                        f"SIGTSTP or a job-control stop) for {seconds} s, and the group cannot "
+                        "make progress without it"
+                    ),
+                )
+            )
+
+    def _blame(self, now: float) -> None:
+        """Name the root cause after torchrun stopped ranks and no rank reported why.
+
+        A rank whose supervisor went silent (killed, or its host lost) is the
+        cause; torchrun's SIGTERM to the others is a consequence. With none
+        silent, torchrun's agent was told to stop (a cancelled job, a signal).
+        """
+        torn = self._torn_down
+        stopped = ", ".join(
+            f"rank {e.rank} (signal {e.signal})"
+            if e.signal
+            else f"rank {e.rank} (exit code {e.exit_code})"
+            for e in torn
+        )
+        quiet = [
+            r
+            for r in self._ranks
+            if r.connected and not r.exited and now - r.last_beat > 2 * _ROOT_CAUSE_WAIT / 3
+        ]
+        if quiet:
+            r = min(quiet, key=lambda q: q.last_beat)
+            error = WorkerDiedError(
+                r.rank,
+                log_tail="\n".join(r.tail),
+                detail=(
+                    f"pid {r.pid} on {r.host}: its supervisor went away without a report (killed, "
+                    f"or its host lost); torchrun then stopped {stopped}"
+                ),
+            )
+        else:
+            first = torn[0]
+            error = WorkerDiedError(
+                first.rank,
+                exit_code=first.exit_code,
+                signal=first.signal,
+                log_tail=first.log_tail,
+                detail=(
+                    f"torchrun's agent stopped {stopped} without another rank failing first "
+                    "(the job was cancelled, or torchrun was signalled)"
+                ),
+            )
+        self._mark_dead(error)
+
+    def _expire(self, call_id: int) -> None:
+        """The deadline of call ``call_id`` passed: fail its futures and interrupt it where it runs."""
+        with self._lock:
+            late = [(r, r.pending.pop(call_id)) for r in self._ranks if call_id in r.pending]
+        late = [(r, f) for r, f in late if not f.done()]
+        if not late:
+            return
+        ranks = [r.rank for r, _ in late]
+        for r, _ in late:
+            self.channel.send(b"s%d" % r.rank, [wire.CANCEL + b"%d" % call_id])
+        fut = late[0][1]
+        error = CallTimeoutError(
+            fut.method,
+            fut._timeout or 0.0,
+            ranks,
+            detail=(
+                f"it was still running on ranks {ranks}; podium interrupts it there, so that later "
+                "calls do not wait behind it (a method inside a long C call stops when that call "
+                "returns to Python)"
+            ),
+        )
+        for _, f in late:
+            f._fail(error)
 
     def _mark_dead(self, error: WorkerDiedError) -> None:
         with self._changed:
@@ -395,13 +546,40 @@ class TorchrunGroup(BackendGroup):
 
     # -- shutdown -----------------------------------------------------------------------
 
-    def stop_workers(self, wait: float) -> None:
-        """Ask every worker to exit and wait (up to ``wait`` s) for their supervisors' reports."""
-        self._stopping = True
-        for r in self._ranks:
-            self.channel.send(b"w%d" % r.rank, [wire.STOP])
-        if self._dead is None:
-            self._mark_dead(WorkerDiedError(None, detail="the group was shut down"))
+    def stop_workers(self, wait: float, grace: float = SHUTDOWN_GRACE) -> bool:
+        """Stop every worker; wait up to ``wait`` s for their supervisors' reports.
+
+        Calls still pending fail at once with :class:`GroupShutdownError`; the
+        call a worker runs is interrupted and queued ones are skipped. Each
+        worker then runs its ``shutdown()`` hook and exits normally (``atexit``
+        handlers run); its supervisor kills it if it takes over ``grace`` s.
+        Returns whether every worker was seen to end.
+        """
+        with self._changed:
+            self._stopping = True
+            pending = [f for r in self._ranks for f in r.pending.values()]
+            for r in self._ranks:
+                r.pending.clear()
+            self._changed.notify_all()
+        for fut in pending:
+            fut._fail(
+                GroupShutdownError(self.spec.name_prefix, method=fut.method, ranks=[fut.rank])
+            )
+        self.channel.wake_waiters()
+        quit_now = wire.QUIT + b"%g" % grace
+        self.channel.send_many(
+            [
+                m
+                for r in self._ranks
+                for m in ((b"s%d" % r.rank, [quit_now]), (b"w%d" % r.rank, [wire.STOP]))
+            ]
+        )
+
+        def ended() -> bool:
+            now = time.monotonic()
+            return all(r.exited or not r.connected or now - r.last_beat > 2.0 for r in self._ranks)
+
+        return wait > 0 and self.channel.wait(ended, wait)
 
     def close_channel(self) -> None:
         self.channel.close()
@@ -413,11 +591,27 @@ class TorchrunGroup(BackendGroup):
 
     def _shutdown(self) -> None:
         # The backend owns the torchx app; it registered itself as the closer.
-        if self._closer is not None:
-            self._closer(self)
-        else:
+        if self._closer is None:
             self.stop_workers(0)
             self.close_channel()
+        elif self.channel.held_here():
+            # Called from within the channel's own thread of control (a group
+            # dropped and collected while this thread served the channel): the
+            # channel cannot be closed from inside, so finish on another thread.
+            threading.Thread(
+                target=self._closer, args=(self,), name=f"podium-torchrun-close-{self.gid}"
+            ).start()
+        else:
+            self._closer(self)
+
+
+def _this_process() -> str:
+    """``pid:start time`` of this process, by which supervisors on this host see whether it lives."""
+    try:
+        with open("/proc/self/stat") as f:
+            return f"{os.getpid()}:{f.read().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):  # no procfs: supervisors go by the connection alone
+        return ""
 
 
 def _slot(

@@ -56,6 +56,7 @@ RESULT = b"r"  # one call's outcome
 BEAT = b"B"  # the supervisor (and so its worker) is alive
 LOG = b"L"  # lines the worker wrote (head: LOG + b"1" or b"2", then one frame of bytes)
 EXIT = b"X"  # the worker process ended: exit code / signal, last lines
+STALL = b"T"  # the worker is stopped (state T): head is STALL + seconds stopped, in ASCII
 # controller -> worker
 INIT = b"I"  # build the user's worker
 CALL = b"C"  # run one method
@@ -63,6 +64,8 @@ FREE = b"F"  # segments the controller no longer reads
 STOP = b"S"  # exit cleanly
 # controller -> supervisor
 PING = b"P"  # the controller is alive
+CANCEL = b"K"  # interrupt a call if it still runs: head is CANCEL + its call id, in ASCII
+QUIT = b"Q"  # the group stops: interrupt the running call, skip queued ones (head: QUIT + grace s)
 
 # Objects with at least this many out-of-band bytes go through shared memory
 # when the peer is on this host; below it the socket is faster.

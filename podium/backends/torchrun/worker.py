@@ -12,8 +12,13 @@ Each torchrun process splits in two at once:
   heartbeats, and reports how the worker ended -- exit code or signal and the
   last lines -- the moment it ends. A busy worker holding the GIL cannot miss a
   heartbeat this way, and a ``SIGKILL`` or ``os._exit`` is reported within
-  milliseconds. When the controller stops answering (even after a
-  ``SIGKILL``), the supervisor kills the worker and exits.
+  milliseconds; so is a worker that is stopped (state ``T``). When the
+  controller is gone (on its host: its process has exited; elsewhere: no word
+  from it and no connection for ``orphan_timeout``), the supervisor kills the
+  worker and exits. A controller that is only paused (``SIGSTOP``, a long call
+  holding its GIL) is waited for. The supervisor also passes on the
+  controller's requests to interrupt a call (its deadline passed, or the group
+  stops): see :class:`_Control`.
 
 torchrun loads this file by its path, not as ``podium.backends.torchrun.worker``:
 importing a module of the package imports ``podium`` (torch, tensordict),
@@ -46,6 +51,10 @@ _TAIL_LINES = 40
 # The supervisor's message kinds (wire.BEAT, wire.LOG, wire.EXIT): spelled out
 # here because importing wire pulls in torch, and the supervisor stays small.
 _BEAT, _LOG, _EXIT = b"B", b"L", b"X"
+# wire.STALL (supervisor -> controller); wire.PING, wire.CANCEL, wire.QUIT (controller -> supervisor).
+_STALL, _PING, _CANCEL, _QUIT = b"T", b"P", b"K", b"Q"
+# The signal by which a supervisor tells its worker to read its control pipe.
+_CONTROL_SIGNAL = signal.SIGUSR2
 
 
 def _env(name: str) -> str:
@@ -84,11 +93,19 @@ def _read_keys(rank: int) -> tuple[bytes, bytes]:
     return public, secret
 
 
-def _connect(identity: bytes, keys: tuple[bytes, bytes]) -> tuple[Any, Any]:
+def _connect(
+    identity: bytes, keys: tuple[bytes, bytes], heartbeat_timeout: float = 0.0
+) -> tuple[Any, Any]:
     import zmq
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    if heartbeat_timeout > 0:
+        # ZMTP heartbeats: answered by the controller's ZeroMQ I/O thread, which
+        # needs no GIL, so a controller busy in Python keeps its connections;
+        # one whose host is gone loses them after ``heartbeat_timeout``.
+        sock.heartbeat_ivl = 1000
+        sock.heartbeat_timeout = int(heartbeat_timeout * 1000)
     sock.linger = 2000
     sock.sndhwm = 0
     sock.rcvhwm = 0
@@ -127,6 +144,34 @@ def _shm_probe_ok() -> bool:
         return False
 
 
+def _stat(pid: int) -> list[str]:
+    """``/proc/<pid>/stat`` from its third field (the state) on; [] if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _process_state(pid: int) -> str:
+    fields = _stat(pid)
+    return fields[0] if fields else ""
+
+
+def _process_alive(pid: int, start: str) -> bool:
+    """Whether the process ``pid`` that started at ``start`` (clock ticks after boot) still runs."""
+    fields = _stat(pid)
+    return len(fields) > 19 and fields[19] == start and fields[0] not in ("Z", "X")
+
+
+def _controller_process() -> tuple[int, str] | None:
+    """The controller's (pid, start time) when it runs on this host and this process can see it."""
+    pid, _, start = os.environ.get("PODIUM_TR_CONTROLLER", "").partition(":")
+    if not pid.isdigit() or not _shm_probe_ok() or not _process_alive(int(pid), start):
+        return None  # another host, or another pid namespace
+    return int(pid), start
+
+
 def _sibling(name: str) -> Any:
     """A module next to this file, loaded by path (importing it by name would import podium)."""
     import importlib.util
@@ -154,6 +199,63 @@ def _unlink_prefix(prefix: str) -> None:
 # -- the worker (child) --------------------------------------------------------
 
 
+class CallInterrupted(BaseException):
+    """Raised in a worker's main thread to end the call it runs.
+
+    The controller gave up on the call (its deadline passed) or the group is
+    shutting down. A ``BaseException``, so that a method's ``except Exception``
+    does not swallow it. Python delivers it when the main thread next runs
+    Python code: a method inside one long C call (a kernel, a blocking read
+    without a timeout) stops only when that call returns.
+    """
+
+
+class _Control:
+    """What the supervisor asked of this worker, through a pipe and a signal.
+
+    The supervisor writes ``K<call id>`` (cancel that call) or ``Q`` (the group
+    stops: cancel the running call and skip queued ones) and sends
+    :data:`_CONTROL_SIGNAL`; the handler raises :class:`CallInterrupted` in the
+    main thread only when the call that runs is one it was told to end.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.running: int | None = None  # the call id whose method runs now
+        self.cancelled: set[int] = set()
+        self.stopping = False
+
+    def read(self) -> None:
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except OSError:  # nothing to read (BlockingIOError) or the supervisor is gone
+            return
+        for line in data.split(b"\n"):
+            if line == _QUIT:
+                self.stopping = True
+            elif line[:1] == _CANCEL and line[1:].isdigit():
+                self.cancelled.add(int(line[1:]))
+
+    def on_signal(self, _signum: int, _frame: Any) -> None:
+        self.read()
+        running = self.running
+        if running is not None and (self.stopping or running in self.cancelled):
+            self.running = None  # at most once per call
+            why = "the group is shutting down" if self.stopping else "its deadline passed"
+            raise CallInterrupted(f"call {running} was interrupted: {why}")
+
+    def skip(self, call_id: int) -> bool:
+        """Whether to drop a queued call instead of running it (and forget older cancellations)."""
+        if not self.cancelled:
+            return self.stopping
+        hit = call_id in self.cancelled
+        self.cancelled = {c for c in self.cancelled if c > call_id}
+        return hit or self.stopping
+
+
+_control = _Control(-1)
+
+
 def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
     import socket as _socket
 
@@ -179,6 +281,7 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
     hello = {"rank": rank, "pid": os.getpid(), "host": _socket.gethostname(), "shm": shm_ok}
     send_frames(sock, [wire.head(wire.HELLO, hello)])
     host: WorkerHost | None = None
+    control = _control
     rcvmore = int(zmq.RCVMORE)  # sock.get(rcvmore) is ~3x cheaper than sock.rcvmore
 
     def reply(kind: bytes, key: Any, outcome: Outcome, target: str) -> None:
@@ -207,6 +310,8 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
                 continue
             if kind == wire.INIT:
                 descs, freed = meta
+                if control.stopping:
+                    continue
                 if pool is not None:
                     pool.release(freed)
                 try:
@@ -227,6 +332,19 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
                 call_id, target, descs, arg_index, kw_index, freed = meta
                 if pool is not None:
                     pool.release(freed)
+                if control.skip(call_id):
+                    # Cancelled before it started, or the group stops: the
+                    # controller failed its futures already.
+                    if not control.stopping:
+                        why = CallInterrupted(f"call {call_id} was cancelled before it started")
+                        reply(
+                            wire.RESULT,
+                            call_id,
+                            Outcome(False, RemoteFailure.capture(why, rank, target)),
+                            target,
+                        )
+                    continue
+                control.running = call_id
                 try:
                     objs = wire.decode_objects(descs, msg[1:], segments)
                     del msg
@@ -236,7 +354,9 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
                     if host is None:
                         raise RuntimeError("the worker was not constructed")
                     outcome = host.run(target, args, kwargs)
-                except Exception as exc:
+                    control.running = None
+                except (Exception, CallInterrupted) as exc:
+                    control.running = None
                     outcome = Outcome(False, RemoteFailure.capture(exc, rank, target))
                 # Drop the inputs before replying, so their segments are released with it.
                 args = kwargs = None  # type: ignore[assignment]
@@ -244,7 +364,11 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
                 del outcome
     finally:
         if host is not None:
-            host.close()
+            failure = host.close()
+            if failure is not None:
+                sys.stderr.write(
+                    f"podium: the worker's shutdown() hook on rank {rank} failed:\n{failure.traceback}"
+                )
         sys.stdout.flush()
         sys.stderr.flush()
         sock.close(linger=1000)
@@ -258,21 +382,40 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
 
 class _Supervisor:
     def __init__(
-        self, rank: int, child: int, out_fd: int, err_fd: int, keys: tuple[bytes, bytes]
+        self,
+        rank: int,
+        child: int,
+        out_fd: int,
+        err_fd: int,
+        ctl_fd: int,
+        keys: tuple[bytes, bytes],
     ) -> None:
         import zmq
 
         self.zmq = zmq
         self.rank = rank
         self.child = child
+        self.ctl = ctl_fd
+        self.pgid = child  # the worker leads its own process group
         self.fds = {out_fd: (b"1", 1), err_fd: (b"2", 2)}
         self.partial: dict[int, bytes] = {out_fd: b"", err_fd: b""}
         self.tail: deque[str] = deque(maxlen=_TAIL_LINES)
-        self.ctx, self.sock = _connect(b"s%d" % rank, keys)
         self.beat = float(os.environ.get("PODIUM_TR_BEAT", "0.5"))
         self.orphan_after = float(os.environ.get("PODIUM_TR_ORPHAN_TIMEOUT", "8"))
+        # On the controller's host, whether it is alive is a fact (its pid);
+        # elsewhere the connection's ZMTP heartbeats tell.
+        self.controller = _controller_process()
+        self.ctx, self.sock = _connect(
+            b"s%d" % rank, keys, 0.0 if self.controller else max(self.orphan_after, 2.0)
+        )
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
+        self.linked = False  # the connection to the controller is up
         self.parent = os.getppid()
         self.terminating_at: float | None = None
+        self.quit_by: float | None = None  # the group stops: the worker must be gone by then
+        self.stopped_since: float | None = None
 
     def send(self, *frames: bytes) -> None:
         try:
@@ -280,11 +423,12 @@ class _Supervisor:
         except self.zmq.ZMQError:
             pass
 
-    def read(self, fd: int) -> bool:
+    def read(self, fd: int) -> bool | None:
+        """Forward what ``fd`` holds: True if it had data, None if none now, False at its end."""
         try:
             data = os.read(fd, 1 << 16)
         except BlockingIOError:
-            return True
+            return None
         except OSError:
             data = b""
         if not data:
@@ -303,39 +447,105 @@ class _Supervisor:
             self.tail.append(line.decode(errors="replace"))
         return True
 
-    def drain(self) -> None:
+    def drain(self, until: float) -> None:
+        """Forward what the worker wrote before it ended.
+
+        Bounded: a process the worker started may still hold its stdout
+        (DataLoader workers, ``subprocess.Popen``); its later output is not waited for.
+        """
         for fd in list(self.fds):
-            while fd in self.fds and self.read(fd):
+            while fd in self.fds and self.read(fd) and time.monotonic() < until:
                 pass
         for rest in self.partial.values():
             if rest:
                 self.tail.append(rest.decode(errors="replace"))
 
-    def kill_child(self, why: str) -> None:
+    def tell_worker(self, line: bytes) -> None:
+        """Pass a request to the worker (see :class:`_Control`) and make it look."""
+        try:
+            os.write(self.ctl, line + b"\n")
+            os.kill(self.child, _CONTROL_SIGNAL)
+        except OSError:
+            pass
+
+    def reap_leftovers(self) -> None:
+        """Kill what the ended worker left running in its process group: no orphans."""
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except OSError:
+            pass  # none left
+
+    def kill_child(self, why: str) -> int | None:
+        """Stop the worker (SIGTERM, then SIGKILL); its wait status, if it was reaped."""
         sys.stderr.write(f"[podium supervisor rank {self.rank}] {why}; stopping the worker\n")
         for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
             try:
                 os.kill(self.child, sig)
+                os.kill(
+                    self.child, signal.SIGCONT
+                )  # a stopped process acts on SIGTERM only once continued
             except ProcessLookupError:
-                return
+                return None
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline:
-                pid, _ = os.waitpid(self.child, os.WNOHANG)
+                pid, status = os.waitpid(self.child, os.WNOHANG)
                 if pid:
                     self.child = 0
-                    return
+                    return status
                 time.sleep(0.05)
+        return None
+
+    def controller_gone(self, now: float, last_ping: float) -> str | None:
+        """Why the controller is taken for gone, or None while it may still come back.
+
+        A paused controller (SIGSTOP, a long call holding its GIL) is not gone:
+        on its host its pid is checked; elsewhere its connection stays up as
+        long as its ZeroMQ I/O thread answers heartbeats.
+        """
+        if self.controller is not None and not _process_alive(*self.controller):
+            return f"the controller (pid {self.controller[0]}) has exited"
+        if now - last_ping > self.orphan_after and not self.linked:
+            return (
+                f"no word from the controller for {self.orphan_after:g} s and no connection to it"
+            )
+        return None
+
+    def watch_stopped(self, now: float) -> None:
+        """Tell the controller when the worker is stopped (state T), each beat while it lasts."""
+        if _process_state(self.child) == "T":
+            if self.stopped_since is None:
+                self.stopped_since = now
+            self.send(_STALL + b"%d" % int(now - self.stopped_since))
+        else:
+            self.stopped_since = None
+
+    def on_message(self, msg: list[bytes]) -> None:
+        kind = msg[0][:1]
+        if kind == _CANCEL:
+            self.tell_worker(msg[0])
+        elif kind == _QUIT:
+            self.tell_worker(_QUIT)
+            try:
+                grace = float(msg[0][1:])
+            except ValueError:
+                grace = 10.0
+            if self.quit_by is None:
+                self.quit_by = time.monotonic() + grace
 
     def run(self) -> int:
         zmq = self.zmq
+        from zmq.utils.monitor import recv_monitor_message
+
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         for fd in self.fds:
             os.set_blocking(fd, False)
             poller.register(fd, zmq.POLLIN)
         last_ping = time.monotonic()
         next_beat = 0.0
         status: int | None = None
+        cause = ""
 
         def on_term(signum: int, _frame: Any) -> None:
             # torchrun tears the node down with SIGTERM: pass it on and wait for the worker.
@@ -343,6 +553,7 @@ class _Supervisor:
                 self.terminating_at = time.monotonic()
             try:
                 os.kill(self.child, signum)
+                os.kill(self.child, signal.SIGCONT)
             except ProcessLookupError:
                 pass
 
@@ -352,44 +563,66 @@ class _Supervisor:
             now = time.monotonic()
             if now >= next_beat:
                 self.send(_BEAT)
+                self.watch_stopped(now)
                 next_beat = now + self.beat
             try:
                 events = dict(poller.poll(int(self.beat * 1000)))
             except zmq.ZMQError:
                 events = {}
             for fd in list(self.fds):
-                if fd in events and not self.read(fd):
+                if fd in events and self.read(fd) is False:
                     poller.unregister(fd)
             if self.sock in events:
                 while True:
                     try:
-                        self.sock.recv_multipart(zmq.NOBLOCK)
+                        msg = self.sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     last_ping = time.monotonic()
+                    if msg[0][:1] != _PING:
+                        self.on_message(msg)
+            if self.monitor in events:
+                while True:
+                    try:
+                        event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        break
+                    self.linked = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
             pid, status_raw = os.waitpid(self.child, os.WNOHANG)
             if pid:
                 status = status_raw
                 break
             now = time.monotonic()
-            if now - last_ping > self.orphan_after:
-                self.kill_child(f"no word from the controller for {self.orphan_after:g} s")
+            gone = self.controller_gone(now, last_ping)
+            if gone is not None:
+                self.kill_child(gone)
+                self.reap_leftovers()
                 self.cleanup(controller_gone=True)
                 return 0
             if os.getppid() != self.parent:
-                self.kill_child("torchrun's agent is gone")
-                self.cleanup(controller_gone=False)
-                return 1
+                cause = f"torchrun's agent (pid {self.parent}) is gone, so the worker was stopped"
+                status = self.kill_child("torchrun's agent is gone")
+                break
             if self.terminating_at is not None and now - self.terminating_at > 5.0:
-                self.kill_child("the worker ignored SIGTERM for 5 s")
-                self.cleanup(controller_gone=False)
-                return 1
-        self.drain()
-        code = os.waitstatus_to_exitcode(status)
+                status = self.kill_child("the worker ignored SIGTERM for 5 s")
+                break
+            if self.quit_by is not None and now > self.quit_by:
+                status = self.kill_child(
+                    "the worker did not stop in time after the group's shutdown"
+                )
+                break
+        # Report first (a bounded read of the last output goes with it), clean up after.
+        self.drain(time.monotonic() + 0.5)
+        self.reap_leftovers()
+        code = os.waitstatus_to_exitcode(status) if status is not None else -int(signal.SIGKILL)
         info = {
             "exit_code": code if code >= 0 else None,
             "signal": -code if code < 0 else None,
             "tail": list(self.tail),
+            # Stopped by torchrun (another rank of this node failed, or the job
+            # was cancelled): a consequence, not the cause, of the group's end.
+            "torn_down": self.terminating_at is not None and not cause,
+            "cause": cause,
         }
         self.send(_EXIT + msgpack.packb(info, use_bin_type=True))
         self.cleanup(controller_gone=False)
@@ -411,6 +644,7 @@ class _Supervisor:
                         except OSError:
                             pass
             _unlink_prefix(_shm_prefix("probe")[:-1])  # last: the check above reads it
+        self.monitor.close(linger=0)
         self.sock.close(linger=500)
         self.ctx.term()
 
@@ -421,14 +655,21 @@ def main() -> None:
     keys = _read_keys(rank)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    ctl_r, ctl_w = os.pipe()
     supervisor = os.getpid()
     child = os.fork()
     if child == 0:
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        for fd in (out_r, out_w, err_r, err_w):
+        for fd in (out_r, out_w, err_r, err_w, ctl_w):
             os.close(fd)
+        os.set_blocking(ctl_r, False)
+        _control.fd = ctl_r
+        signal.signal(_CONTROL_SIGNAL, _control.on_signal)
         _die_with_parent(supervisor)
+        # Its own process group, so that what it starts and leaves behind
+        # (a subprocess, a DataLoader worker) goes with it (see _Supervisor.reap_leftovers).
+        os.setpgid(0, 0)
         sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
         code = 0
@@ -444,10 +685,16 @@ def main() -> None:
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
-        os._exit(code)
-    os.close(out_w)
-    os.close(err_w)
-    sys.exit(_Supervisor(rank, child, out_r, err_r, keys).run())
+        # A normal interpreter exit, so that the user's atexit handlers run
+        # (the supervisor bounds how long it may take).
+        sys.exit(code)
+    try:
+        os.setpgid(child, child)  # as the child does: whichever runs first
+    except OSError:
+        pass
+    for fd in (out_w, err_w, ctl_r):
+        os.close(fd)
+    sys.exit(_Supervisor(rank, child, out_r, err_r, ctl_w, keys).run())
 
 
 def _die_with_parent(parent: int) -> None:
