@@ -447,6 +447,7 @@ def test_a_dropped_group_releases_its_pool(procs) -> None:
 
 def _channel(ticks: list[float]) -> ControlChannel:
     return ControlChannel(
+        world_size=1,
         bind_host="127.0.0.1",
         advertise_host="127.0.0.1",
         on_message=lambda *_: None,
