@@ -14,7 +14,7 @@ import pytest
 from podium import ClassWithInitArgs, ResourcePool, Worker, WorkerGroup, get, load_backend, register
 from podium.core.backend import GroupSpec
 from podium.core.decorator import Dispatch
-from podium.errors import WorkerDiedError
+from podium.errors import ResourceUnavailableError, WorkerDiedError
 
 
 class SlowWorker(Worker):
@@ -110,6 +110,21 @@ def test_unequal_node_entries_are_refused() -> None:
         backend.check_resources([pool])
     with pytest.raises(ValueError, match="same number of processes"):
         WorkerGroup(pool, ClassWithInitArgs(SlowWorker), backend=backend)
+
+
+@pytest.mark.timeout(60)
+def test_a_gpu_pool_on_a_host_without_enough_gpus_starts_nothing() -> None:
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = load_backend("torchrun")
+    start = time.monotonic()
+    with pytest.raises(ResourceUnavailableError, match=f"needs {have + 2} GPUs per node"):
+        WorkerGroup(
+            ResourcePool([have + 2], use_gpu=True), ClassWithInitArgs(SlowWorker), backend=backend
+        )
+    assert time.monotonic() - start < 10  # refused before any process started
+    assert backend._groups == []  # type: ignore[attr-defined]
 
 
 def test_unknown_option_is_an_error() -> None:
