@@ -27,6 +27,14 @@ def pool():
 # -- one process ----------------------------------------------------------------------
 
 
+def test_a_segment_released_once_too_often_is_handed_out_once(pool: SegmentPool) -> None:
+    seg = pool.acquire(1 << 20)
+    pool.hold(seg)
+    pool.release([seg.name, seg.name])  # a stray second release (a reader's retry, a bug)
+    first, second = pool.acquire(1 << 20), pool.acquire(1 << 20)
+    assert first is seg and second is not seg  # two messages never share one segment
+
+
 def test_a_reader_writes_its_own_copy_and_sees_the_owners_next_message(pool: SegmentPool) -> None:
     readers = [SegmentMap(), SegmentMap()]
     try:

@@ -173,13 +173,11 @@ class SegmentPool:
         with self._lock:
             for name in names:
                 seg = self._by_name.get(name)
-                if seg is None:
-                    continue
+                if seg is None or seg.refs <= 0:
+                    continue  # unknown, or already free: never list a segment twice
                 seg.refs -= 1
-                if seg.refs <= 0:
-                    seg.refs = 0
-                    if not self._closed:
-                        self._free.append(seg)
+                if seg.refs == 0 and not self._closed:
+                    self._free.append(seg)
 
     def close(self) -> None:
         with self._lock:
