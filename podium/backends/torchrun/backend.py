@@ -15,10 +15,17 @@ that large tensors made per call reuse heap pages instead of page-faulting a
 fresh ``mmap`` each time (see :func:`.shm.tune_malloc`). Freed memory then
 stays in the process's heap (RSS does not shrink); pass
 ``backend_options={'tune_malloc': False}`` to keep glibc's defaults.
+
+Logs: on a local scheduler each group gives torchx a log directory of its own
+(unless ``scheduler_cfg`` names one), removed when the group shuts down; a
+group whose processes failed keeps it, and podium logs where it is.
 """
 
 from __future__ import annotations
 
+import logging
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -35,9 +42,11 @@ from podium.backends.torchrun.launch import (
 from podium.backends.torchrun.shm import tune_malloc
 from podium.core.backend import Backend, BackendGroup, BackendOption, Capabilities, GroupSpec
 from podium.core.resource import ResourcePool
-from podium.errors import ResourceUnavailableError
+from podium.errors import ResourceUnavailableError, WorkerDiedError, WorkerStartupError
 
 __all__ = ["TorchrunBackend"]
+
+log = logging.getLogger("podium.torchrun")
 
 _LOCAL_SCHEDULERS = ("local_cwd", "local_docker", "local")
 _TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
@@ -215,9 +224,14 @@ class TorchrunBackend(Backend):
         group._closer = self._close_group
         runner = self.runner()
         timeout = float(self.config["start_timeout"])
+        cfg = dict(self.config["scheduler_cfg"] or {})
         try:
+            if "log_dir" not in cfg and runner.scheduler_run_opts(self.scheduler).get("log_dir"):
+                # Without one, torchx makes a /tmp/torchx_* directory per start
+                # and removes only the last when the runner closes.
+                group.log_dir = cfg["log_dir"] = tempfile.mkdtemp(prefix="podium-torchx-")
             app = self.app_for(spec, group.worker_env())
-            info = dryrun(runner, app, self.scheduler, self.config["scheduler_cfg"] or {})
+            info = dryrun(runner, app, self.scheduler, cfg)
             group.app_handle = runner.schedule(info)
             self._groups.append(group)
 
@@ -231,12 +245,16 @@ class TorchrunBackend(Backend):
 
             group.wait_started(ended, timeout)
             group.init_workers(timeout)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, (WorkerStartupError, WorkerDiedError)):
+                group.keep_logs = True
             group.shutdown()
             raise
         return group
 
     def _close_group(self, group: TorchrunGroup) -> None:
+        if group._dead is not None:  # a worker died before shutdown: keep what it wrote
+            group.keep_logs = True
         group.stop_workers(0)
         handle = group.app_handle
         if handle is not None:
@@ -260,6 +278,15 @@ class TorchrunBackend(Backend):
         group.close_channel()
         if group in self._groups:
             self._groups.remove(group)
+        if group.log_dir is not None:
+            if group.keep_logs:
+                log.warning(
+                    "group %r failed; the scheduler's logs of its processes are kept in %s",
+                    group.spec.name_prefix,
+                    group.log_dir,
+                )
+            else:
+                shutil.rmtree(group.log_dir, ignore_errors=True)
 
     def _shutdown(self) -> None:
         for group in list(self._groups):

@@ -96,6 +96,9 @@ class TorchrunGroup(BackendGroup):
         )
         self.channel.start()
         self.app_handle: str | None = None
+        # The scheduler's log directory this group owns (local schedulers), kept if it failed.
+        self.log_dir: str | None = None
+        self.keep_logs = False
         # Set by the backend, which owns the torchx app: how to stop this group.
         self._closer: Callable[[TorchrunGroup], None] | None = None
 
