@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import glob
+import logging
+import os
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +15,7 @@ from tensordict import TensorDict
 
 from podium import ClassWithInitArgs, DataProto, ResourcePool, Worker, WorkerGroup, register
 from podium.backends.torchrun import wire
-from podium.backends.torchrun.shm import SegmentMap, SegmentPool, unlink_prefix
+from podium.backends.torchrun.shm import Segment, SegmentMap, SegmentPool, unlink_prefix
 from podium.core.decorator import Dispatch
 
 N = 1 << 18  # float32: 1 MiB, through shared memory
@@ -24,7 +30,98 @@ def pool():
     unlink_prefix(PREFIX)
 
 
+def files(prefix: str) -> list[str]:
+    return glob.glob(f"/dev/shm/{prefix}*")
+
+
 # -- one process ----------------------------------------------------------------------
+
+
+def test_segments_are_sized_to_whole_pages(pool: SegmentPool) -> None:
+    seg = pool.acquire((1 << 20) + 1)
+    assert seg.size == (1 << 20) + os.sysconf("SC_PAGE_SIZE")
+    assert os.path.getsize(f"/dev/shm/{seg.name}") == seg.size
+
+
+def test_free_segments_beyond_the_limit_are_removed_oldest_first() -> None:
+    pool = SegmentPool(PREFIX + "c-", max_free=3 << 20)
+    try:
+        segs = [pool.acquire(1 << 20) for _ in range(6)]
+        for seg in segs:
+            pool.hold(seg)
+        pool.release([seg.name for seg in segs])
+        assert pool.free_bytes <= 3 << 20
+        assert sorted(files(PREFIX)) == sorted(f"/dev/shm/{s.name}" for s in segs[3:])
+        big = pool.acquire(8 << 20)  # larger than the limit: still kept for the next message
+        pool.hold(big)
+        pool.release([big.name])
+        assert pool.acquire(8 << 20) is big and pool.segment_count == 1
+    finally:
+        pool.close()
+        unlink_prefix(PREFIX)
+
+
+def test_free_segments_unused_for_a_while_are_removed() -> None:
+    pool = SegmentPool(PREFIX + "c-", max_idle=0.2)
+    try:
+        seg = pool.acquire(1 << 20)
+        pool.hold(seg)
+        pool.release([seg.name])
+        assert files(PREFIX) == [f"/dev/shm/{seg.name}"]
+        time.sleep(0.3)
+        pool.trim()
+        assert files(PREFIX) == [] and pool.segment_count == 0
+    finally:
+        pool.close()
+        unlink_prefix(PREFIX)
+
+
+def test_a_reader_unmaps_segments_their_owner_removed() -> None:
+    pool, reader = SegmentPool(PREFIX + "c-", max_idle=0.0), SegmentMap()
+    try:
+        enc = wire.encode(torch.ones(N))
+        desc, _ = wire.place(enc, pool)
+        wire.done_placing(enc, pool)
+        (t,) = wire.decode_objects([desc], [enc.header], reader)
+        name = desc[1]
+        reader.trim()
+        assert reader.mapped == [name]  # still read here
+        del t
+        pool.release(reader.take_releases())  # the owner removes it (max_idle 0)
+        assert files(PREFIX) == []
+        reader.trim()
+        assert reader.mapped == []
+        with open("/proc/self/maps") as f:
+            assert name not in f.read()  # its memory is free, not just its name
+    finally:
+        reader.close()
+        pool.close()
+        unlink_prefix(PREFIX)
+
+
+class _FullPool(SegmentPool):
+    """A pool on a /dev/shm with no room left."""
+
+    def acquire(self, nbytes: int) -> Segment:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_shared_memory_falls_back_to_chunked_frames_and_warns_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wire, "_warned_shm_full", False)
+    monkeypatch.setattr(wire, "CHUNK_BYTES", 1 << 20)
+    caplog.set_level(logging.WARNING, logger="podium.torchrun")
+    pool = _FullPool(PREFIX + "c-")
+    value = {"a": torch.arange(3 * N // 2, dtype=torch.float32), "b": torch.ones(10)}
+    for _ in range(2):
+        enc = wire.encode(value)
+        desc, frames = wire.place(enc, pool)
+        assert max(memoryview(f).nbytes for f in frames) <= 1 << 20  # no frame above the chunk
+        (back,) = wire.decode_objects([desc], [bytes(f) for f in frames], SegmentMap())
+        assert torch.equal(back["a"], value["a"]) and torch.equal(back["b"], value["b"])
+    warnings = [r for r in caplog.records if "shared memory has no room" in r.getMessage()]
+    assert len(warnings) == 1 and "--shm-size" in warnings[0].getMessage()
 
 
 def test_a_segment_released_once_too_often_is_handed_out_once(pool: SegmentPool) -> None:
@@ -122,3 +219,30 @@ def test_a_result_written_by_the_controller_does_not_leak_into_later_results(
         for r in results:
             r.add_(100.0)
         del results
+
+
+@pytest.mark.timeout(180)
+def test_a_group_removes_shared_memory_nobody_uses_any_more() -> None:
+    group = WorkerGroup(
+        ResourcePool([2], use_gpu=False),
+        ClassWithInitArgs(OwnerWorker),
+        backend="torchrun",
+        backend_options={"shm_keep_mb": 4, "shm_keep_s": 2},
+    )
+    try:
+        prefix = f"podium-{group._group.gid}-w"  # type: ignore[attr-defined]
+        results = [group.make(float(i)) for i in range(12)]  # 12 segments of 1 MiB per rank
+        assert len(files(prefix)) >= 24
+        del results
+        deadline = time.monotonic() + 20
+        while (files(prefix) or _mapped_here(prefix)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert files(prefix) == [] and _mapped_here(prefix) == []
+        assert group.make(1.0)[0].sum() == N  # and the group goes on
+    finally:
+        group.shutdown()
+
+
+def _mapped_here(prefix: str) -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line for line in f if prefix in line]

@@ -131,6 +131,18 @@ class TorchrunBackend(Backend):
             "Worker processes always do this.",
         ),
         BackendOption(
+            "shm_keep_mb",
+            (int, float),
+            256,
+            "free shared memory (MiB) each process keeps for reuse; the oldest beyond it is removed",
+        ),
+        BackendOption(
+            "shm_keep_s",
+            (int, float),
+            30.0,
+            "seconds an unused shared-memory segment is kept for reuse before it is removed",
+        ),
+        BackendOption(
             "rdzv_port",
             int,
             None,

@@ -26,7 +26,13 @@ from typing import Any
 from podium.backends.torchrun import wire
 from podium.backends.torchrun.channel import ControlChannel
 from podium.backends.torchrun.futures import CallBatch, TorchrunFuture
-from podium.backends.torchrun.shm import SegmentMap, SegmentPool, shm_available, unlink_prefix
+from podium.backends.torchrun.shm import (
+    SegmentMap,
+    SegmentPool,
+    shm_available,
+    shm_keep,
+    unlink_prefix,
+)
 from podium.core.backend import BackendGroup, GroupSpec, RankCall
 from podium.core.futures import RankFuture
 from podium.core.host import Outcome
@@ -79,7 +85,7 @@ class TorchrunGroup(BackendGroup):
         self._pool: SegmentPool | None = None
         self._probe: str | None = None
         if shm_available():
-            self._pool = SegmentPool(f"podium-{self.gid}-c-")
+            self._pool = SegmentPool(f"podium-{self.gid}-c-", **shm_keep(config))
             token = secrets.token_hex(16)
             probe = f"podium-{self.gid}-probe"
             with open(os.path.join("/dev/shm", probe), "w") as f:
@@ -115,6 +121,8 @@ class TorchrunGroup(BackendGroup):
         env["PODIUM_TR_BEAT"] = "0.5"
         if self._probe:
             env["PODIUM_TR_SHM_PROBE"] = self._probe
+            keep = shm_keep(self.config)
+            env["PODIUM_TR_SHM_KEEP"] = f"{keep['max_free']}:{keep['max_idle']}"
         return env
 
     # -- start ------------------------------------------------------------------
@@ -331,6 +339,9 @@ class TorchrunGroup(BackendGroup):
         for r in self._ranks:
             self.channel.post(b"s%d" % r.rank, [wire.PING])
         self._collect_freed(self._ranks[0])
+        self._segments.trim()  # workers' segments they removed: unmap them here too
+        if self._pool is not None:
+            self._pool.trim()
         for r in self._ranks:
             if r.freed and r.connected:
                 with self._lock:

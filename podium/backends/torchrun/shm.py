@@ -25,9 +25,11 @@ import glob
 import mmap
 import os
 import threading
+import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +39,7 @@ __all__ = [
     "SegmentMap",
     "SegmentPool",
     "shm_available",
+    "shm_keep",
     "tune_malloc",
     "unlink_prefix",
 ]
@@ -44,6 +47,10 @@ __all__ = [
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
 _MIN_SEGMENT = 1 << 20
+# A free segment unused this long is removed; so are the oldest free ones
+# while more than MAX_FREE_BYTES are free (see SegmentPool).
+MAX_IDLE_S = 30.0
+MAX_FREE_BYTES = 256 << 20
 _PAGE = mmap.PAGESIZE
 
 
@@ -80,6 +87,14 @@ def tune_malloc() -> bool:
         return False  # not glibc (musl, macOS): nothing to tune
     _malloc_tuned = ok
     return ok
+
+
+def shm_keep(config: Mapping[str, Any]) -> dict[str, Any]:
+    """:class:`SegmentPool`'s trim settings from the backend options ``shm_keep_mb``/``shm_keep_s``."""
+    return {
+        "max_free": int(config.get("shm_keep_mb", MAX_FREE_BYTES >> 20) * 2**20),
+        "max_idle": float(config.get("shm_keep_s", MAX_IDLE_S)),
+    }
 
 
 def shm_available() -> bool:
@@ -119,6 +134,7 @@ class Segment:
         os.close(fd)
         self.view = memoryview(self.map)
         self.refs = 0
+        self.freed_at = 0.0  # when the last reader released it (monotonic)
 
     def close(self) -> None:
         self.view.release()
@@ -136,14 +152,25 @@ class SegmentPool:
     """Segments this process writes into, reused once the reader released them.
 
     ``acquire(nbytes)`` hands out a free segment at least that large (or makes
-    one); every reference sent to a reader holds it (``hold``) until the
-    reader's release arrives (``release``). Thread-safe.
+    one, sized to whole pages); every reference sent to a reader holds it
+    (``hold``) until the reader's release arrives (``release``). Thread-safe.
+
+    Free segments are kept for reuse -- a new one costs its page faults once
+    more -- but not for ever: :meth:`trim` (run on every release and by the
+    owner's idle timer) removes those unused for ``max_idle`` seconds, and the
+    oldest ones while more than ``max_free`` bytes are free. The segment
+    released last is kept whatever its size, so a message larger than
+    ``max_free`` sent call after call still reuses its segment.
     """
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(
+        self, prefix: str, *, max_idle: float = MAX_IDLE_S, max_free: int = MAX_FREE_BYTES
+    ) -> None:
         self.prefix = prefix
+        self.max_idle = max_idle
+        self.max_free = max_free
         self._lock = threading.Lock()
-        self._free: list[Segment] = []
+        self._free: list[Segment] = []  # oldest release first
         self._by_name: dict[str, Segment] = {}
         self._count = 0
         self._closed = False
@@ -156,10 +183,11 @@ class SegmentPool:
             for seg in self._free:
                 if seg.size >= nbytes and (best is None or seg.size < best.size):
                     best = seg
-            if best is not None and best.size <= 4 * max(nbytes, _MIN_SEGMENT):
+            if best is not None and best.size <= max(2 * nbytes, nbytes + _MIN_SEGMENT):
                 self._free.remove(best)
                 return best
-            size = max(_MIN_SEGMENT, 1 << (max(nbytes, 1) - 1).bit_length())
+            size = max(nbytes, 1)
+            size += -size % _PAGE
             seg = Segment(f"{self.prefix}{self._count}", size)
             self._count += 1
             self._by_name[seg.name] = seg
@@ -170,6 +198,7 @@ class SegmentPool:
             seg.refs += count
 
     def release(self, names: list[str]) -> None:
+        now = time.monotonic()
         with self._lock:
             for name in names:
                 seg = self._by_name.get(name)
@@ -177,7 +206,43 @@ class SegmentPool:
                     continue  # unknown, or already free: never list a segment twice
                 seg.refs -= 1
                 if seg.refs == 0 and not self._closed:
+                    seg.freed_at = now
                     self._free.append(seg)
+            gone = self._trim_locked(now)
+        for seg in gone:
+            seg.close()
+
+    def trim(self) -> None:
+        """Remove free segments idle for ``max_idle`` s, and the oldest beyond ``max_free`` bytes."""
+        with self._lock:
+            gone = self._trim_locked(time.monotonic())
+        for seg in gone:
+            seg.close()
+
+    def _trim_locked(self, now: float) -> list[Segment]:
+        free_bytes = sum(seg.size for seg in self._free)
+        gone = []
+        for seg in self._free[:-1]:  # oldest first; the newest stays for the next message
+            if free_bytes > self.max_free or now - seg.freed_at >= self.max_idle:
+                gone.append(seg)
+                free_bytes -= seg.size
+        if self._free and now - self._free[-1].freed_at >= self.max_idle:
+            gone.append(self._free[-1])
+        if gone:
+            for seg in gone:
+                self._free.remove(seg)
+                del self._by_name[seg.name]
+        return gone
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(seg.size for seg in self._free)
+
+    @property
+    def segment_count(self) -> int:
+        with self._lock:
+            return len(self._by_name)
 
     def close(self) -> None:
         with self._lock:
@@ -275,6 +340,7 @@ class SegmentMap:
 
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
+        self._live: dict[str, int] = {}  # parts of each segment with views alive
         self._released: deque[str] = deque()
         self._lock = threading.Lock()
         self._pagemap = _PageMap()
@@ -293,6 +359,8 @@ class SegmentMap:
     def views(self, name: str, places: list[tuple[int, int]]) -> list[np.ndarray]:
         with self._lock:
             m = self._map(name)
+            if places:
+                self._live[name] = self._live.get(name, 0) + 1
         if not places:
             self._released.append(name)
             return []
@@ -316,7 +384,34 @@ class SegmentMap:
                 m.madvise(mmap.MADV_DONTNEED, lo + first * _PAGE, count * _PAGE)
         except (OSError, ValueError):
             pass  # the mapping was closed (shutdown): nothing left to reuse
+        with self._lock:
+            self._live[name] = self._live.get(name, 1) - 1
         self._released.append(name)
+
+    def trim(self) -> None:
+        """Unmap segments that nothing here reads and that their owner removed.
+
+        A mapping keeps its segment's memory alive after the owner unlinked
+        it; segment names are never reused, so a missing file means for good.
+        """
+        with self._lock:
+            idle = [name for name in self._maps if not self._live.get(name)]
+            gone = [n for n in idle if not os.path.exists(os.path.join(SHM_DIR, n))]
+            maps = [(n, self._maps.pop(n)) for n in gone]
+            for n in gone:
+                self._live.pop(n, None)
+        for name, m in maps:
+            try:
+                m.close()
+            except BufferError:  # something still reads it after all: keep it
+                with self._lock:
+                    self._maps.setdefault(name, m)
+
+    @property
+    def mapped(self) -> list[str]:
+        """Names of the segments mapped here."""
+        with self._lock:
+            return list(self._maps)
 
     def take_releases(self) -> list[str]:
         if not self._released:

@@ -13,15 +13,25 @@ and ``frames`` the serialized objects the message carries. An object is carried
 - or through **shared memory** (its header, with the buffers in a segment
   that ``meta`` names; see :mod:`.shm`).
 
+Inline buffers larger than ``CHUNK_BYTES`` are cut into frames of that size
+and joined by the reader: ZeroMQ encrypts each frame into fresh buffers, so a
+1 GiB frame costs the sender (and the reader) about three times its size at
+once, a 16 MiB frame a few tens of MiB. When shared memory is full the
+traffic that does not fit goes inline, and the first time that happens in a
+process a warning says so (once: the socket keeps working, only slower).
+
 Only the controller and the workers of one group can exchange messages: the
 socket is CURVE-encrypted and the controller admits only the group's key.
 """
 
 from __future__ import annotations
 
+import logging
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from podium.backends.torchrun.shm import (
     Segment,
@@ -68,6 +78,11 @@ SHM_MIN_BYTES = 256 * 1024
 ZERO_COPY_MIN = 64 * 1024
 # Pickles without out-of-band buffers up to this size travel inside ``meta``.
 IN_META_MAX = 16 * 1024
+# Inline buffers are sent in frames of at most this many bytes.
+CHUNK_BYTES = 16 << 20
+
+log = logging.getLogger("podium.torchrun")
+_warned_shm_full = False
 
 # Values that the standard pickle serializes exactly as cloudpickle does (no
 # classes or functions by value), so they can ride in ``meta`` directly.
@@ -145,8 +160,9 @@ def place(enc: Encoded, pool: SegmentPool | None) -> tuple[tuple[Any, ...], list
         if enc.shared is None:
             try:
                 seg = pool.acquire(packed_size(enc.buffers))
-            except OSError:
+            except OSError as exc:
                 seg = None  # /dev/shm full or unavailable: the socket still works
+                _warn_shm_full(enc.nbytes, exc)
             if seg is not None:
                 enc.shared = (seg, write_buffers(seg, enc.buffers))
                 # The builder's own reference, dropped by done_placing once
@@ -157,7 +173,29 @@ def place(enc: Encoded, pool: SegmentPool | None) -> tuple[tuple[Any, ...], list
             seg, places = enc.shared
             pool.hold(seg)
             return ("s", seg.name, places), [enc.header]
-    return ("i", len(enc.buffers)), [enc.header, *enc.buffers]
+    if enc.nbytes <= CHUNK_BYTES or all(b.nbytes <= CHUNK_BYTES for b in enc.buffers):
+        return ("i", len(enc.buffers)), [enc.header, *enc.buffers]
+    frames: list[Any] = [enc.header]
+    counts = []
+    for buf in enc.buffers:
+        pieces = [buf[i : i + CHUNK_BYTES] for i in range(0, buf.nbytes, CHUNK_BYTES)] or [buf]
+        counts.append(len(pieces))
+        frames.extend(pieces)
+    return ("c", counts), frames
+
+
+def _warn_shm_full(nbytes: int, exc: OSError) -> None:
+    global _warned_shm_full
+    if _warned_shm_full:
+        return
+    _warned_shm_full = True
+    log.warning(
+        "shared memory has no room for a %.1f MiB message (%s): it and any later one that does not "
+        "fit go through the socket, which is slower and needs more memory. Give /dev/shm more room "
+        "(docker run --shm-size, a larger tmpfs) or free some of it. (Logged once per process.)",
+        nbytes / 2**20,
+        exc,
+    )
 
 
 def done_placing(enc: Encoded, pool: SegmentPool | None) -> None:
@@ -189,9 +227,27 @@ def decode_objects(
             n = desc[1]
             buffers: list[Any] = frames[i : i + n]
             i += n
+        elif desc[0] == "c":
+            buffers = []
+            for count in desc[1]:
+                buffers.append(frames[i] if count == 1 else _join(frames, i, count))
+                i += count
         else:
             buffers = list(segments.views(desc[1], desc[2]))
         out.append(loads(header, buffers))
+    return out
+
+
+def _join(frames: list[Any], first: int, count: int) -> np.ndarray:
+    """One buffer from ``frames[first : first + count]``, dropping each frame once copied."""
+    views = [memoryview(frames[j]).cast("B") for j in range(first, first + count)]
+    out = np.empty(sum(v.nbytes for v in views), dtype=np.uint8)
+    off = 0
+    for k, view in enumerate(views):
+        out[off : off + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
+        off += view.nbytes
+        view.release()
+        frames[first + k] = None  # the caller's last reference, if it passed its own list
     return out
 
 
