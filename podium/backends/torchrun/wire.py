@@ -14,9 +14,10 @@ and ``frames`` the serialized objects the message carries. An object is carried
   that ``meta`` names; see :mod:`.shm`).
 
 Inline buffers larger than ``CHUNK_BYTES`` are cut into frames of that size
-and joined by the reader: ZeroMQ encrypts each frame into fresh buffers, so a
-1 GiB frame costs the sender (and the reader) about three times its size at
-once, a 16 MiB frame a few tens of MiB. When shared memory is full the
+and joined by the reader: ZeroMQ encrypts each frame into two fresh buffers,
+so one 1 GiB frame costs the sender three times its size at once, 16 MiB
+frames a few tens of MiB more than the data. (The reader holds the received
+frames and the joined copy: twice the size, where one frame costs it once.) When shared memory is full the
 traffic that does not fit goes inline, and the first time that happens in a
 process a warning says so (once: the socket keeps working, only slower).
 
@@ -179,7 +180,7 @@ def place(enc: Encoded, pool: SegmentPool | None) -> tuple[tuple[Any, ...], list
     counts = []
     for buf in enc.buffers:
         pieces = [buf[i : i + CHUNK_BYTES] for i in range(0, buf.nbytes, CHUNK_BYTES)] or [buf]
-        counts.append(len(pieces))
+        counts.append((len(pieces), buf.nbytes))
         frames.extend(pieces)
     return ("c", counts), frames
 
@@ -229,8 +230,9 @@ def decode_objects(
             i += n
         elif desc[0] == "c":
             buffers = []
-            for count in desc[1]:
-                buffers.append(frames[i] if count == 1 else _join(frames, i, count))
+            for count, nbytes in desc[1]:
+                buffers.append(frames[i] if count == 1 else _join(frames[i : i + count], nbytes))
+                frames[i : i + count] = [None] * count  # the caller's last references, if its list
                 i += count
         else:
             buffers = list(segments.views(desc[1], desc[2]))
@@ -238,16 +240,21 @@ def decode_objects(
     return out
 
 
-def _join(frames: list[Any], first: int, count: int) -> np.ndarray:
-    """One buffer from ``frames[first : first + count]``, dropping each frame once copied."""
-    views = [memoryview(frames[j]).cast("B") for j in range(first, first + count)]
-    out = np.empty(sum(v.nbytes for v in views), dtype=np.uint8)
+def _join(pieces: Any, nbytes: int) -> np.ndarray:
+    """One buffer of ``nbytes`` from the frames ``pieces`` yields, each dropped once copied."""
+    out = np.empty(nbytes, dtype=np.uint8)
     off = 0
-    for k, view in enumerate(views):
-        out[off : off + view.nbytes] = np.frombuffer(view, dtype=np.uint8)
-        off += view.nbytes
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        n = view.nbytes
+        if off + n > nbytes:
+            raise ValueError(f"chunked buffer larger than the {nbytes} bytes announced")
+        out[off : off + n] = np.frombuffer(view, dtype=np.uint8)
+        off += n
         view.release()
-        frames[first + k] = None  # the caller's last reference, if it passed its own list
+        del piece
+    if off != nbytes:
+        raise ValueError(f"chunked buffer of {off} bytes, {nbytes} announced")
     return out
 
 
