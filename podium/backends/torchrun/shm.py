@@ -284,15 +284,18 @@ class _PageMap:
     def __init__(self) -> None:
         self._fd: int | None = None
         self._pid = -1
+        self._lock = threading.Lock()
 
     def written_runs(self, address: int, pages: int) -> list[tuple[int, int]] | None:
         """``(first page, count)`` runs written among ``pages`` pages at ``address``; ``None``: unknown."""
         if self._pid != os.getpid():  # opened before a fork: that is the parent's table
-            self._pid = os.getpid()
-            try:
-                self._fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                self._fd = None
+            with self._lock:
+                if self._pid != os.getpid():
+                    try:
+                        self._fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+                    except OSError:
+                        self._fd = None
+                    self._pid = os.getpid()
         if self._fd is None or pages <= 0:
             return None if self._fd is None else []
         raw = os.pread(self._fd, pages * 8, address // _PAGE * 8)
@@ -314,9 +317,10 @@ class _PageMap:
         return [(int(a), int(b) - int(a) + 1) for a, b in zip(firsts, lasts)]
 
     def close(self) -> None:
-        if self._fd is not None and self._pid == os.getpid():
-            os.close(self._fd)
-        self._fd, self._pid = None, -1
+        with self._lock:
+            if self._fd is not None and self._pid == os.getpid():
+                os.close(self._fd)
+            self._fd, self._pid = None, os.getpid()  # closed for good in this process
 
 
 class SegmentMap:
@@ -333,7 +337,7 @@ class SegmentMap:
     reads from it, and reading costs no copy. Before a part is released, the
     pages this process wrote there are dropped (``MADV_DONTNEED``), so the
     owner's next message in the segment shows through instead of the stale
-    private copies; :func:`_written_pages` finds them in ``/proc/self/pagemap``
+    private copies; :class:`_PageMap` finds them in ``/proc/self/pagemap``
     (where it cannot be read, the whole part is dropped, which costs page
     faults on the next message but is equally correct).
     """
@@ -372,18 +376,21 @@ class SegmentMap:
 
     def _done(self, name: str, m: mmap.mmap, start: int, end: int, address: int) -> None:
         """The last view on ``[start, end)`` of ``name`` is gone: drop what was written, release."""
+        if m.closed:
+            return  # shutdown: nothing is reused any more
         lo = start - start % _PAGE
+        hi = min(len(m), end + (-end) % _PAGE)
         try:
-            if m.closed:
-                return  # shutdown: nothing is reused any more
-            hi = min(len(m), end + (-end) % _PAGE)
             runs = self._pagemap.written_runs(address + lo, (hi - lo) // _PAGE)
-            if runs is None:
-                runs = [(0, (hi - lo) // _PAGE)]
+        except OSError:
+            runs = None
+        if runs is None:  # unknown: drop them all
+            runs = [(0, (hi - lo) // _PAGE)]
+        try:
             for first, count in runs:
                 m.madvise(mmap.MADV_DONTNEED, lo + first * _PAGE, count * _PAGE)
-        except (OSError, ValueError):
-            pass  # the mapping was closed (shutdown): nothing left to reuse
+        except ValueError:
+            return  # closed meanwhile (shutdown)
         with self._lock:
             self._live[name] = self._live.get(name, 1) - 1
         self._released.append(name)
