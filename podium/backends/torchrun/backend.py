@@ -238,7 +238,12 @@ class TorchrunBackend(Backend):
         timeout = float(self.config["start_timeout"])
         cfg = dict(self.config["scheduler_cfg"] or {})
         try:
-            if "log_dir" not in cfg and runner.scheduler_run_opts(self.scheduler).get("log_dir"):
+            local = self.scheduler in _LOCAL_SCHEDULERS
+            if (
+                local
+                and "log_dir" not in cfg
+                and runner.scheduler_run_opts(self.scheduler).get("log_dir")
+            ):
                 # Without one, torchx makes a /tmp/torchx_* directory per start
                 # and removes only the last when the runner closes.
                 group.log_dir = cfg["log_dir"] = tempfile.mkdtemp(prefix="podium-torchx-")
