@@ -176,16 +176,22 @@ def _worker_main(rank: int) -> None:
         send_frames(sock, [wire.head(kind, (key, desc, segments.take_releases())), *frames])
         wire.done_placing(enc, pool)
 
+    next_trim = time.monotonic() + 1.0
     try:
         while True:
             # The head as bytes (a no-op call is this one frame), the rest without a copy.
             try:
                 msg: list[Any] = [sock.recv()]
             except zmq.Again:
+                msg = []
+            if not msg or time.monotonic() >= next_trim:
+                # Once a second, busy or idle: drop shared memory nobody uses any more.
+                next_trim = time.monotonic() + 1.0
                 if pool is not None:
                     pool.trim()
                 segments.trim()
-                continue
+                if not msg:
+                    continue
             if sock.get(rcvmore):
                 msg += sock.recv_multipart(copy=False)
             kind, meta = wire.split_head(msg[0])
