@@ -212,6 +212,8 @@ class Backend(ABC):
         A failing user constructor raises the worker's exception (as a
         :class:`podium.RemoteError`); a process that cannot start raises
         :class:`podium.errors.WorkerStartupError`. Nothing is left running on failure.
+        A pool that :meth:`check_resources` refuses raises its
+        :class:`podium.errors.ResourceUnavailableError` before anything starts.
         """
         if self._closed:
             raise RuntimeError(f"backend {self.name!r} was shut down")
@@ -231,6 +233,8 @@ class Backend(ABC):
         # (a worker started elsewhere could not import them); one place for every backend.
         for cls in user_classes(spec.cls_with_init):
             ensure_importable_by_value(cls)
+        # A pool the cluster can never hold is refused before anything starts.
+        self.check_resources([spec.pool])
         return self._start_group(spec)
 
     @abstractmethod

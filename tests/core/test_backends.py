@@ -11,9 +11,18 @@ from pathlib import Path
 import pytest
 
 import podium
-from podium import UnknownBackendError, available_backends, load_backend
+from podium import (
+    ClassWithInitArgs,
+    ResourcePool,
+    UnknownBackendError,
+    Worker,
+    WorkerGroup,
+    available_backends,
+    load_backend,
+)
 from podium.backends.inline import InlineBackend
 from podium.core.backend import backend_class
+from podium.errors import ResourceUnavailableError
 
 
 def test_inline_is_installed_and_listed() -> None:
@@ -169,3 +178,23 @@ def test_backend_class_loads_only_the_selected_plugin(plugin_dir: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "EchoBackend False"
     assert backend_class("inline") is InlineBackend
+
+
+class _CheckedInline(InlineBackend):
+    """The inline backend with a check that refuses every pool, counting starts."""
+
+    started = 0
+
+    def check_resources(self, pools):  # type: ignore[no-untyped-def]
+        raise ResourceUnavailableError("this cluster holds no pool", demand={}, supply={})
+
+    def _start_group(self, spec):  # type: ignore[no-untyped-def]
+        self.started += 1
+        return super()._start_group(spec)
+
+
+def test_a_group_the_backend_refuses_is_never_started() -> None:
+    backend = _CheckedInline()
+    with pytest.raises(ResourceUnavailableError, match="holds no pool"):
+        WorkerGroup(ResourcePool([1], use_gpu=False), ClassWithInitArgs(Worker), backend=backend)
+    assert backend.started == 0

@@ -14,7 +14,7 @@ import pytest
 from podium import ClassWithInitArgs, ResourcePool, Worker, WorkerGroup, get, load_backend, register
 from podium.core.backend import GroupSpec
 from podium.core.decorator import Dispatch
-from podium.errors import WorkerDiedError
+from podium.errors import ResourceUnavailableError, WorkerDiedError
 
 
 class SlowWorker(Worker):
@@ -112,6 +112,21 @@ def test_unequal_node_entries_are_refused() -> None:
         WorkerGroup(pool, ClassWithInitArgs(SlowWorker), backend=backend)
 
 
+@pytest.mark.timeout(60)
+def test_a_gpu_pool_on_a_host_without_enough_gpus_starts_nothing() -> None:
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = load_backend("torchrun")
+    start = time.monotonic()
+    with pytest.raises(ResourceUnavailableError, match=f"needs {have + 2} GPUs per node"):
+        WorkerGroup(
+            ResourcePool([have + 2], use_gpu=True), ClassWithInitArgs(SlowWorker), backend=backend
+        )
+    assert time.monotonic() - start < 10  # refused before any process started
+    assert backend._groups == []  # type: ignore[attr-defined]
+
+
 def test_unknown_option_is_an_error() -> None:
     with pytest.raises(ValueError, match="did you mean 'scheduler'"):
         load_backend("torchrun", schedular="slurm")
@@ -154,3 +169,53 @@ def test_an_agent_that_cannot_start_is_reported_with_its_output() -> None:
     text = str(info.value)
     assert "ended before every worker connected" in text
     assert "/nonexistent/podium-python" in text  # the agent's own output names the problem
+
+
+@pytest.mark.timeout(120)
+def test_a_group_removes_its_scheduler_logs_at_shutdown(monkeypatch, tmp_path) -> None:
+    import tempfile
+
+    from podium.backends.torchrun.backend import TorchrunBackend
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where torchx would make its own
+    backend = TorchrunBackend(forward_output=False)
+    try:
+        log_dirs = []
+        for _ in range(2):
+            wg = WorkerGroup(
+                ResourcePool([1], use_gpu=False), ClassWithInitArgs(SlowWorker), backend=backend
+            )
+            log_dirs.append(getattr(wg._group, "log_dir", None))
+            wg.shutdown()
+        assert [p for p in os.listdir(tmp_path) if p.startswith("torchx_")] == []
+        assert all(d and d.startswith(str(tmp_path)) and not os.path.exists(d) for d in log_dirs)
+    finally:
+        backend.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_group_that_failed_keeps_its_scheduler_logs_and_says_where(
+    monkeypatch, tmp_path, caplog
+) -> None:
+    import tempfile
+
+    from podium.backends.torchrun.backend import TorchrunBackend
+    from podium.errors import WorkerStartupError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    caplog.set_level("WARNING", logger="podium.torchrun")
+    backend = TorchrunBackend(python="/nonexistent/podium-python", forward_output=False)
+    try:
+        with pytest.raises(WorkerStartupError):
+            WorkerGroup(
+                ResourcePool([1], use_gpu=False), ClassWithInitArgs(SlowWorker), backend=backend
+            )
+        kept = [
+            os.path.join(tmp_path, p)
+            for p in os.listdir(tmp_path)
+            if p.startswith("podium-torchx-")
+        ]
+        assert len(kept) == 1 and os.path.isdir(kept[0])
+        assert any(kept[0] in r.getMessage() for r in caplog.records)
+    finally:
+        backend.shutdown()

@@ -15,11 +15,18 @@ that large tensors made per call reuse heap pages instead of page-faulting a
 fresh ``mmap`` each time (see :func:`.shm.tune_malloc`). Freed memory then
 stays in the process's heap (RSS does not shrink); pass
 ``backend_options={'tune_malloc': False}`` to keep glibc's defaults.
+
+Logs: on a local scheduler each group gives torchx a log directory of its own
+(unless ``scheduler_cfg`` names one), removed when the group shuts down; a
+group whose processes failed keeps it, and podium logs where it is.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -36,9 +43,11 @@ from podium.backends.torchrun.launch import (
 from podium.backends.torchrun.shm import tune_malloc
 from podium.core.backend import Backend, BackendGroup, BackendOption, Capabilities, GroupSpec
 from podium.core.resource import ResourcePool
-from podium.errors import ResourceUnavailableError
+from podium.errors import ResourceUnavailableError, WorkerDiedError, WorkerStartupError
 
 __all__ = ["TorchrunBackend"]
+
+log = logging.getLogger("podium.torchrun")
 
 _LOCAL_SCHEDULERS = ("local_cwd", "local_docker", "local")
 # Schedulers whose nodes all share this host's network (local_docker gives each its own).
@@ -145,6 +154,18 @@ class TorchrunBackend(Backend):
             "before it is killed",
         ),
         BackendOption(
+            "shm_keep_mb",
+            (int, float),
+            256,
+            "free shared memory (MiB) each process keeps for reuse; the oldest beyond it is removed",
+        ),
+        BackendOption(
+            "shm_keep_s",
+            (int, float),
+            30.0,
+            "seconds an unused shared-memory segment is kept for reuse before it is removed",
+        ),
+        BackendOption(
             "rdzv_port",
             int,
             None,
@@ -248,9 +269,19 @@ class TorchrunBackend(Backend):
         group._closer = self._close_group
         runner = self.runner()
         timeout = float(self.config["start_timeout"])
+        cfg = dict(self.config["scheduler_cfg"] or {})
         try:
+            local = self.scheduler in _LOCAL_SCHEDULERS
+            if (
+                local
+                and "log_dir" not in cfg
+                and runner.scheduler_run_opts(self.scheduler).get("log_dir")
+            ):
+                # Without one, torchx makes a /tmp/torchx_* directory per start
+                # and removes only the last when the runner closes.
+                group.log_dir = cfg["log_dir"] = tempfile.mkdtemp(prefix="podium-torchx-")
             app = self.app_for(spec, group.worker_env())
-            info = dryrun(runner, app, self.scheduler, self.config["scheduler_cfg"] or {})
+            info = dryrun(runner, app, self.scheduler, cfg)
             group.app_handle = runner.schedule(info)
             self._groups.append(group)
 
@@ -264,12 +295,16 @@ class TorchrunBackend(Backend):
 
             group.wait_started(ended, timeout)
             group.init_workers(timeout)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, (WorkerStartupError, WorkerDiedError)):
+                group.keep_logs = True
             group.shutdown()
             raise
         return group
 
     def _close_group(self, group: TorchrunGroup) -> None:
+        if group._dead is not None:  # a worker died before shutdown: keep what it wrote
+            group.keep_logs = True
         # Pending calls fail at once; each worker runs its shutdown() hook and
         # exits (killed by its supervisor past the grace), then torchrun ends.
         grace = float(self.config["shutdown_timeout"])
@@ -296,6 +331,15 @@ class TorchrunBackend(Backend):
         group.close_channel()
         if group in self._groups:
             self._groups.remove(group)
+        if group.log_dir is not None:
+            if group.keep_logs:
+                log.warning(
+                    "group %r failed; the scheduler's logs of its processes are kept in %s",
+                    group.spec.name_prefix,
+                    group.log_dir,
+                )
+            else:
+                shutil.rmtree(group.log_dir, ignore_errors=True)
 
     def _shutdown(self) -> None:
         for group in list(self._groups):

@@ -37,7 +37,13 @@ from typing import Any
 from podium.backends.torchrun import wire
 from podium.backends.torchrun.channel import ControlChannel
 from podium.backends.torchrun.futures import CallBatch, TorchrunFuture
-from podium.backends.torchrun.shm import SegmentMap, SegmentPool, shm_available, unlink_prefix
+from podium.backends.torchrun.shm import (
+    SegmentMap,
+    SegmentPool,
+    shm_available,
+    shm_keep,
+    unlink_prefix,
+)
 from podium.core.backend import BackendGroup, GroupSpec, RankCall
 from podium.core.futures import RankFuture
 from podium.core.host import Outcome
@@ -106,7 +112,7 @@ class TorchrunGroup(BackendGroup):
         self._probe: str | None = None
         try:
             if shm_available():
-                self._pool = SegmentPool(f"podium-{self.gid}-c-")
+                self._pool = SegmentPool(f"podium-{self.gid}-c-", **shm_keep(config))
                 token = secrets.token_hex(16)
                 probe = f"podium-{self.gid}-probe"
                 # Private, and never through a link someone planted at that name.
@@ -142,6 +148,9 @@ class TorchrunGroup(BackendGroup):
             raise
         self.channel.start()
         self.app_handle: str | None = None
+        # The scheduler's log directory this group owns (local schedulers), kept if it failed.
+        self.log_dir: str | None = None
+        self.keep_logs = False
         # Set by the backend, which owns the torchx app: how to stop this group.
         self._closer: Callable[[TorchrunGroup], None] | None = None
 
@@ -160,6 +169,8 @@ class TorchrunGroup(BackendGroup):
         env["PODIUM_TR_CONTROLLER"] = _this_process()
         if self._probe:
             env["PODIUM_TR_SHM_PROBE"] = self._probe
+            keep = shm_keep(self.config)
+            env["PODIUM_TR_SHM_KEEP"] = f"{keep['max_free']}:{keep['max_idle']}"
         return env
 
     # -- start ------------------------------------------------------------------
@@ -403,6 +414,9 @@ class TorchrunGroup(BackendGroup):
                 _, call_id = heapq.heappop(self._deadlines)
             self._expire(call_id)
         self._collect_freed(self._ranks[0])
+        self._segments.trim()  # workers' segments they removed: unmap them here too
+        if self._pool is not None:
+            self._pool.trim()
         for r in self._ranks:
             if r.freed and r.connected:
                 with self._lock:

@@ -25,9 +25,11 @@ import glob
 import mmap
 import os
 import threading
+import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -37,6 +39,7 @@ __all__ = [
     "SegmentMap",
     "SegmentPool",
     "shm_available",
+    "shm_keep",
     "tune_malloc",
     "unlink_prefix",
 ]
@@ -44,6 +47,11 @@ __all__ = [
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
 _MIN_SEGMENT = 1 << 20
+# A free segment unused this long is removed; so are the oldest free ones
+# while more than MAX_FREE_BYTES are free (see SegmentPool).
+MAX_IDLE_S = 30.0
+MAX_FREE_BYTES = 256 << 20
+_PAGE = mmap.PAGESIZE
 
 
 _M_TRIM_THRESHOLD = -1
@@ -79,6 +87,14 @@ def tune_malloc() -> bool:
         return False  # not glibc (musl, macOS): nothing to tune
     _malloc_tuned = ok
     return ok
+
+
+def shm_keep(config: Mapping[str, Any]) -> dict[str, Any]:
+    """:class:`SegmentPool`'s trim settings from the backend options ``shm_keep_mb``/``shm_keep_s``."""
+    return {
+        "max_free": int(config.get("shm_keep_mb", MAX_FREE_BYTES >> 20) * 2**20),
+        "max_idle": float(config.get("shm_keep_s", MAX_IDLE_S)),
+    }
 
 
 def shm_available() -> bool:
@@ -118,6 +134,7 @@ class Segment:
         os.close(fd)
         self.view = memoryview(self.map)
         self.refs = 0
+        self.freed_at = 0.0  # when the last reader released it (monotonic)
 
     def close(self) -> None:
         self.view.release()
@@ -135,14 +152,25 @@ class SegmentPool:
     """Segments this process writes into, reused once the reader released them.
 
     ``acquire(nbytes)`` hands out a free segment at least that large (or makes
-    one); every reference sent to a reader holds it (``hold``) until the
-    reader's release arrives (``release``). Thread-safe.
+    one, sized to whole pages); every reference sent to a reader holds it
+    (``hold``) until the reader's release arrives (``release``). Thread-safe.
+
+    Free segments are kept for reuse -- a new one costs its page faults once
+    more -- but not for ever: :meth:`trim` (run on every release and by the
+    owner's idle timer) removes those unused for ``max_idle`` seconds, and the
+    oldest ones while more than ``max_free`` bytes are free. The segment
+    released last is kept whatever its size, so a message larger than
+    ``max_free`` sent call after call still reuses its segment.
     """
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(
+        self, prefix: str, *, max_idle: float = MAX_IDLE_S, max_free: int = MAX_FREE_BYTES
+    ) -> None:
         self.prefix = prefix
+        self.max_idle = max_idle
+        self.max_free = max_free
         self._lock = threading.Lock()
-        self._free: list[Segment] = []
+        self._free: list[Segment] = []  # oldest release first
         self._by_name: dict[str, Segment] = {}
         self._count = 0
         self._closed = False
@@ -155,10 +183,11 @@ class SegmentPool:
             for seg in self._free:
                 if seg.size >= nbytes and (best is None or seg.size < best.size):
                     best = seg
-            if best is not None and best.size <= 4 * max(nbytes, _MIN_SEGMENT):
+            if best is not None and best.size <= max(2 * nbytes, nbytes + _MIN_SEGMENT):
                 self._free.remove(best)
                 return best
-            size = max(_MIN_SEGMENT, 1 << (max(nbytes, 1) - 1).bit_length())
+            size = max(nbytes, 1)
+            size += -size % _PAGE
             seg = Segment(f"{self.prefix}{self._count}", size)
             self._count += 1
             self._by_name[seg.name] = seg
@@ -169,16 +198,51 @@ class SegmentPool:
             seg.refs += count
 
     def release(self, names: list[str]) -> None:
+        now = time.monotonic()
         with self._lock:
             for name in names:
                 seg = self._by_name.get(name)
-                if seg is None:
-                    continue
+                if seg is None or seg.refs <= 0:
+                    continue  # unknown, or already free: never list a segment twice
                 seg.refs -= 1
-                if seg.refs <= 0:
-                    seg.refs = 0
-                    if not self._closed:
-                        self._free.append(seg)
+                if seg.refs == 0 and not self._closed:
+                    seg.freed_at = now
+                    self._free.append(seg)
+            gone = self._trim_locked(now)
+        for seg in gone:
+            seg.close()
+
+    def trim(self) -> None:
+        """Remove free segments idle for ``max_idle`` s, and the oldest beyond ``max_free`` bytes."""
+        with self._lock:
+            gone = self._trim_locked(time.monotonic())
+        for seg in gone:
+            seg.close()
+
+    def _trim_locked(self, now: float) -> list[Segment]:
+        free_bytes = sum(seg.size for seg in self._free)
+        gone = []
+        for seg in self._free[:-1]:  # oldest first; the newest stays for the next message
+            if free_bytes > self.max_free or now - seg.freed_at >= self.max_idle:
+                gone.append(seg)
+                free_bytes -= seg.size
+        if self._free and now - self._free[-1].freed_at >= self.max_idle:
+            gone.append(self._free[-1])
+        if gone:
+            for seg in gone:
+                self._free.remove(seg)
+                del self._by_name[seg.name]
+        return gone
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(seg.size for seg in self._free)
+
+    @property
+    def segment_count(self) -> int:
+        with self._lock:
+            return len(self._by_name)
 
     def close(self) -> None:
         with self._lock:
@@ -206,6 +270,59 @@ def packed_size(buffers: list[memoryview]) -> int:
     return sum(align(b.nbytes) for b in buffers)
 
 
+class _PageMap:
+    """Which pages of this process's private file mappings it wrote (``/proc/self/pagemap``).
+
+    A page of a ``MAP_PRIVATE`` file mapping that was written is an anonymous
+    copy: present (or swapped) and not file-backed in its pagemap entry.
+    Reading the entries costs ~60 ns per page, far less than the page faults
+    that dropping every page would cost the next message (~0.4 us per page).
+    """
+
+    _MAX_RUNS = 64  # more runs than this: one madvise over the whole part
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self._pid = -1
+        self._lock = threading.Lock()
+
+    def written_runs(self, address: int, pages: int) -> list[tuple[int, int]] | None:
+        """``(first page, count)`` runs written among ``pages`` pages at ``address``; ``None``: unknown."""
+        if self._pid != os.getpid():  # opened before a fork: that is the parent's table
+            with self._lock:
+                if self._pid != os.getpid():
+                    try:
+                        self._fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+                    except OSError:
+                        self._fd = None
+                    self._pid = os.getpid()
+        if self._fd is None or pages <= 0:
+            return None if self._fd is None else []
+        raw = os.pread(self._fd, pages * 8, address // _PAGE * 8)
+        if len(raw) != pages * 8:
+            return None
+        entries = np.frombuffer(raw, dtype=np.uint64)
+        # bit 63: present, 62: swapped, 61: file page or shared anonymous.
+        written = ((entries >> np.uint64(63)) | (entries >> np.uint64(62))) & ~(
+            entries >> np.uint64(61)
+        )
+        index = np.flatnonzero(written & np.uint64(1))
+        if index.size == 0:
+            return []
+        breaks = np.flatnonzero(np.diff(index) != 1)
+        if breaks.size >= self._MAX_RUNS:
+            return [(int(index[0]), int(index[-1]) - int(index[0]) + 1)]
+        firsts = np.concatenate(([index[0]], index[breaks + 1]))
+        lasts = np.concatenate((index[breaks], [index[-1]]))
+        return [(int(a), int(b) - int(a) + 1) for a, b in zip(firsts, lasts)]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None and self._pid == os.getpid():
+                os.close(self._fd)
+            self._fd, self._pid = None, os.getpid()  # closed for good in this process
+
+
 class SegmentMap:
     """Segments another process owns, mapped here on first use.
 
@@ -213,19 +330,31 @@ class SegmentMap:
     of segment ``name``. They share one base array; when the last object built
     on any of them is garbage, ``on_release(name)`` is queued (see
     :meth:`take_releases`) so the owner may reuse the segment.
+
+    Every reader owns what it reads: segments are mapped copy-on-write
+    (``MAP_PRIVATE``), so a rank that writes into an argument changes its own
+    copy of the pages it wrote, never the owner's segment nor what another rank
+    reads from it, and reading costs no copy. Before a part is released, the
+    pages this process wrote there are dropped (``MADV_DONTNEED``), so the
+    owner's next message in the segment shows through instead of the stale
+    private copies; :class:`_PageMap` finds them in ``/proc/self/pagemap``
+    (where it cannot be read, the whole part is dropped, which costs page
+    faults on the next message but is equally correct).
     """
 
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
+        self._live: dict[str, int] = {}  # parts of each segment with views alive
         self._released: deque[str] = deque()
         self._lock = threading.Lock()
+        self._pagemap = _PageMap()
 
     def _map(self, name: str) -> mmap.mmap:
         m = self._maps.get(name)
         if m is None:
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
             try:
-                m = mmap.mmap(fd, os.fstat(fd).st_size)
+                m = mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
             finally:
                 os.close(fd)
             self._maps[name] = m
@@ -234,14 +363,62 @@ class SegmentMap:
     def views(self, name: str, places: list[tuple[int, int]]) -> list[np.ndarray]:
         with self._lock:
             m = self._map(name)
+            if places:
+                self._live[name] = self._live.get(name, 0) + 1
         if not places:
             self._released.append(name)
             return []
         start = min(off for off, _ in places)
         end = max(off + n for off, n in places)
         base = np.frombuffer(m, dtype=np.uint8, count=end - start, offset=start)
-        weakref.finalize(base, self._released.append, name)
+        weakref.finalize(base, self._done, name, m, start, end, base.ctypes.data - start)
         return [base[off - start : off - start + n] for off, n in places]
+
+    def _done(self, name: str, m: mmap.mmap, start: int, end: int, address: int) -> None:
+        """The last view on ``[start, end)`` of ``name`` is gone: drop what was written, release."""
+        if m.closed:
+            return  # shutdown: nothing is reused any more
+        lo = start - start % _PAGE
+        hi = min(len(m), end + (-end) % _PAGE)
+        try:
+            runs = self._pagemap.written_runs(address + lo, (hi - lo) // _PAGE)
+        except OSError:
+            runs = None
+        if runs is None:  # unknown: drop them all
+            runs = [(0, (hi - lo) // _PAGE)]
+        try:
+            for first, count in runs:
+                m.madvise(mmap.MADV_DONTNEED, lo + first * _PAGE, count * _PAGE)
+        except ValueError:
+            return  # closed meanwhile (shutdown)
+        with self._lock:
+            self._live[name] = self._live.get(name, 1) - 1
+        self._released.append(name)
+
+    def trim(self) -> None:
+        """Unmap segments that nothing here reads and that their owner removed.
+
+        A mapping keeps its segment's memory alive after the owner unlinked
+        it; segment names are never reused, so a missing file means for good.
+        """
+        with self._lock:
+            idle = [name for name in self._maps if not self._live.get(name)]
+            gone = [n for n in idle if not os.path.exists(os.path.join(SHM_DIR, n))]
+            maps = [(n, self._maps.pop(n)) for n in gone]
+            for n in gone:
+                self._live.pop(n, None)
+        for name, m in maps:
+            try:
+                m.close()
+            except BufferError:  # something still reads it after all: keep it
+                with self._lock:
+                    self._maps.setdefault(name, m)
+
+    @property
+    def mapped(self) -> list[str]:
+        """Names of the segments mapped here."""
+        with self._lock:
+            return list(self._maps)
 
     def take_releases(self) -> list[str]:
         if not self._released:
@@ -268,6 +445,7 @@ class SegmentMap:
         with self._lock:
             maps = list(self._maps.values())
             self._maps.clear()
+            self._pagemap.close()
         for m in maps:
             try:
                 m.close()

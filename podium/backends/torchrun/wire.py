@@ -15,6 +15,14 @@ objects the message carries. An object is carried
 - or through **shared memory** (its header, with the buffers in a segment
   that ``meta`` names; see :mod:`.shm`).
 
+Inline buffers larger than ``CHUNK_BYTES`` are cut into frames of that size
+and joined by the reader: ZeroMQ encrypts each frame into two fresh buffers,
+so one 1 GiB frame costs the sender three times its size at once, 16 MiB
+frames a few tens of MiB more than the data. (The reader holds the received
+frames and the joined copy: twice the size, where one frame costs it once.) When shared memory is full the
+traffic that does not fit goes inline, and the first time that happens in a
+process a warning says so (once: the socket keeps working, only slower).
+
 Only the controller and the workers of one group can exchange messages: the
 socket is CURVE-encrypted and the controller admits only the group's keys,
 each for its own rank. Objects (``frames``, and ``("b", ...)`` in ``meta``)
@@ -23,10 +31,12 @@ are cloudpickled: they are unpickled only once they came from such a peer.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from podium.backends.torchrun.shm import (
     Segment,
@@ -74,6 +84,11 @@ SHM_MIN_BYTES = 256 * 1024
 ZERO_COPY_MIN = 64 * 1024
 # Pickles without out-of-band buffers up to this size travel inside ``meta``.
 IN_META_MAX = 16 * 1024
+# Inline buffers are sent in frames of at most this many bytes.
+CHUNK_BYTES = 16 << 20
+
+log = logging.getLogger("podium.torchrun")
+_warned_shm_full = False
 
 # Values that msgpack carries exactly (ints within 64 bits), so they ride in
 # ``meta`` directly, with neither side pickling anything.
@@ -156,8 +171,9 @@ def place(enc: Encoded, pool: SegmentPool | None) -> tuple[tuple[Any, ...], list
         if enc.shared is None:
             try:
                 seg = pool.acquire(packed_size(enc.buffers))
-            except OSError:
+            except OSError as exc:
                 seg = None  # /dev/shm full or unavailable: the socket still works
+                _warn_shm_full(enc.nbytes, exc)
             if seg is not None:
                 enc.shared = (seg, write_buffers(seg, enc.buffers))
                 # The builder's own reference, dropped by done_placing once
@@ -168,7 +184,29 @@ def place(enc: Encoded, pool: SegmentPool | None) -> tuple[tuple[Any, ...], list
             seg, places = enc.shared
             pool.hold(seg)
             return ("s", seg.name, places), [enc.header]
-    return ("i", len(enc.buffers)), [enc.header, *enc.buffers]
+    if enc.nbytes <= CHUNK_BYTES or all(b.nbytes <= CHUNK_BYTES for b in enc.buffers):
+        return ("i", len(enc.buffers)), [enc.header, *enc.buffers]
+    frames: list[Any] = [enc.header]
+    counts = []
+    for buf in enc.buffers:
+        pieces = [buf[i : i + CHUNK_BYTES] for i in range(0, buf.nbytes, CHUNK_BYTES)] or [buf]
+        counts.append((len(pieces), buf.nbytes))
+        frames.extend(pieces)
+    return ("c", counts), frames
+
+
+def _warn_shm_full(nbytes: int, exc: OSError) -> None:
+    global _warned_shm_full
+    if _warned_shm_full:
+        return
+    _warned_shm_full = True
+    log.warning(
+        "shared memory has no room for a %.1f MiB message (%s): it and any later one that does not "
+        "fit go through the socket, which is slower and needs more memory. Give /dev/shm more room "
+        "(docker run --shm-size, a larger tmpfs) or free some of it. (Logged once per process.)",
+        nbytes / 2**20,
+        exc,
+    )
 
 
 def done_placing(enc: Encoded, pool: SegmentPool | None) -> None:
@@ -200,9 +238,33 @@ def decode_objects(
             n = desc[1]
             buffers: list[Any] = frames[i : i + n]
             i += n
+        elif desc[0] == "c":
+            buffers = []
+            for count, nbytes in desc[1]:
+                buffers.append(frames[i] if count == 1 else _join(frames[i : i + count], nbytes))
+                frames[i : i + count] = [None] * count  # the caller's last references, if its list
+                i += count
         else:
             buffers = list(segments.views(desc[1], desc[2]))
         out.append(loads(header, buffers))
+    return out
+
+
+def _join(pieces: Any, nbytes: int) -> np.ndarray:
+    """One buffer of ``nbytes`` from the frames ``pieces`` yields, each dropped once copied."""
+    out = np.empty(nbytes, dtype=np.uint8)
+    off = 0
+    for piece in pieces:
+        view = memoryview(piece).cast("B")
+        n = view.nbytes
+        if off + n > nbytes:
+            raise ValueError(f"chunked buffer larger than the {nbytes} bytes announced")
+        out[off : off + n] = np.frombuffer(view, dtype=np.uint8)
+        off += n
+        view.release()
+        del piece
+    if off != nbytes:
+        raise ValueError(f"chunked buffer of {off} bytes, {nbytes} announced")
     return out
 
 

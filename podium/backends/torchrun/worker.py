@@ -265,7 +265,13 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
 
     from podium.backends.torchrun import wire
     from podium.backends.torchrun.channel import send_frames
-    from podium.backends.torchrun.shm import SegmentMap, SegmentPool, tune_malloc
+    from podium.backends.torchrun.shm import (
+        MAX_FREE_BYTES,
+        MAX_IDLE_S,
+        SegmentMap,
+        SegmentPool,
+        tune_malloc,
+    )
     from podium.core.host import Outcome, RemoteFailure, WorkerHost
     from podium.core.worker import RankInfo
 
@@ -275,9 +281,16 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
     # time (see shm.tune_malloc; costs RSS, which stays at its high-water mark).
     tune_malloc()
     ctx, sock = _connect(b"w%d" % rank, keys)
+    # Wake once a second while idle to remove shared memory nobody uses any more.
+    sock.setsockopt(zmq.RCVTIMEO, 1000)
     shm_ok = _shm_probe_ok()
     segments = SegmentMap()
-    pool = SegmentPool(_shm_prefix(f"w{rank}")) if shm_ok else None
+    keep = os.environ.get("PODIUM_TR_SHM_KEEP", f"{MAX_FREE_BYTES}:{MAX_IDLE_S}").split(":")
+    pool = (
+        SegmentPool(_shm_prefix(f"w{rank}"), max_free=int(keep[0]), max_idle=float(keep[1]))
+        if shm_ok
+        else None
+    )
     hello = {"rank": rank, "pid": os.getpid(), "host": _socket.gethostname(), "shm": shm_ok}
     send_frames(sock, [wire.head(wire.HELLO, hello)])
     host: WorkerHost | None = None
@@ -295,10 +308,22 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
         send_frames(sock, [wire.head(kind, (key, desc, segments.take_releases())), *frames])
         wire.done_placing(enc, pool)
 
+    next_trim = time.monotonic() + 1.0
     try:
         while True:
             # The head as bytes (a no-op call is this one frame), the rest without a copy.
-            msg: list[Any] = [sock.recv()]
+            try:
+                msg: list[Any] = [sock.recv()]
+            except zmq.Again:
+                msg = []
+            if not msg or time.monotonic() >= next_trim:
+                # Once a second, busy or idle: drop shared memory nobody uses any more.
+                next_trim = time.monotonic() + 1.0
+                if pool is not None:
+                    pool.trim()
+                segments.trim()
+                if not msg:
+                    continue
             if sock.get(rcvmore):
                 msg += sock.recv_multipart(copy=False)
             kind, meta = wire.split_head(msg[0])
@@ -315,7 +340,8 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
                 if pool is not None:
                     pool.release(freed)
                 try:
-                    (cls_with_init,) = wire.decode_objects(descs, msg[1:], segments)
+                    del msg[0]  # frames the decoder may drop as it joins them
+                    (cls_with_init,) = wire.decode_objects(descs, msg, segments)
                     info = RankInfo.from_env()
                     if os.environ.get("PODIUM_TR_USE_GPU") == "1":
                         import torch
@@ -346,7 +372,8 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
                     continue
                 control.running = call_id
                 try:
-                    objs = wire.decode_objects(descs, msg[1:], segments)
+                    del msg[0]  # frames the decoder may drop as it joins them
+                    objs = wire.decode_objects(descs, msg, segments)
                     del msg
                     args = tuple(objs[i] for i in arg_index)
                     kwargs = {k: objs[i] for k, i in kw_index.items()}
