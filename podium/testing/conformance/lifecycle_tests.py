@@ -38,6 +38,8 @@ from podium.testing.conformance.workers import (
 # A package the test writes to a temporary directory and puts on PYTHONPATH:
 # importable by the workers, outside site-packages (like an editable install).
 KINDS = """
+import importlib
+
 from podium import Dispatch, Worker, register
 
 
@@ -51,7 +53,14 @@ class Token:
 class TokenWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def check(self, token):
-        return isinstance(token, Token), type(token).registry is Token.registry, token.value
+        # The module as any other code in the worker imports it.
+        module = importlib.import_module(Token.__module__)
+        return (
+            isinstance(token, module.Token),
+            type(token).registry is module.Token.registry,
+            type(self) is module.TokenWorker,
+            token.value,
+        )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def make(self, value):
@@ -120,7 +129,7 @@ class LifecycleTests(BackendFixtures):
             backend=backend,
             worker_env=env,
         ) as group:
-            assert group.check(kinds.Token(3)) == [(True, True, 3)] * 2
+            assert group.check(kinds.Token(3)) == [(True, True, True, 3)] * 2
             made = group.make(4)
             assert all(type(t) is kinds.Token and t.value == 4 for t in made)
 
