@@ -92,7 +92,7 @@ class LifecycleTests(BackendFixtures):
         expected = {"shutdown 0", "shutdown 1"}
         if backend.capabilities.process_group:  # processes exit normally after the hook
             expected |= {"atexit 0", "atexit 1"}
-        assert expected <= _lines(marker, expected, within=15)
+        assert expected <= _lines(marker, expected, within=30)
 
     @pytest.mark.timeout(180)
     def test_a_dropped_group_runs_its_hooks_and_releases_its_slots(
@@ -106,7 +106,7 @@ class LifecycleTests(BackendFixtures):
         del group  # never shut down
         gc.collect()
         expected = {"shutdown 0", "shutdown 1"}
-        assert expected <= _lines(marker, expected, within=15)
+        assert expected <= _lines(marker, expected, within=30)
         with WorkerGroup(pool, ClassWithInitArgs(ConformanceWorker), backend=backend) as again:
             assert [o["rank"] for o in again.whoami()] == [0, 1]
 
@@ -204,7 +204,7 @@ class LifecycleTests(BackendFixtures):
         errors = [exc for _, exc in ended]
         assert len(errors) == 4 and all(isinstance(e, GroupShutdownError) for e in errors), errors
         # Promptly: not after the queued calls would have run (4 x 3 s per rank).
-        assert max(at for at, _ in ended) - begin < 6, [at - begin for at, _ in ended]
+        assert max(at for at, _ in ended) - begin < 8, [at - begin for at, _ in ended]
         assert took < 30
 
     @pytest.mark.timeout(120)
