@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -176,7 +177,7 @@ class WorkerGroup:
         spec = methods.get(name)
         if spec is None:
             raise AttributeError(self._missing_method_message(name))
-        caller = functools.partial(self._call_registered, name, spec)
+        caller = _RegisteredCall(self, name, spec)
         functools.update_wrapper(caller, getattr(self._cls_with_init.cls, name))
         self.__dict__[name] = caller  # later lookups skip __getattr__ (a hot path)
         return caller
@@ -339,6 +340,26 @@ class WorkerGroup:
         cls = self._cls_with_init.cls.__qualname__
         role = f" role={self._role!r}" if self._role else ""
         return f"<WorkerGroup {cls}{role} world_size={self.world_size} backend={self.backend!r}>"
+
+
+class _RegisteredCall:
+    """``wg.<method>``, cached on the group: it reaches the group through a weak
+    reference, so the cache makes no reference cycle and a dropped group is freed
+    (and its workers released) at once, not at the next garbage collection."""
+
+    def __init__(self, wg: WorkerGroup, name: str, spec: MethodSpec) -> None:
+        self._wg = weakref.ref(wg)
+        self._name = name
+        self._spec = spec
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        wg = self._wg()
+        if wg is None:
+            raise RuntimeError(
+                f"the WorkerGroup of {self._name!r} was dropped (garbage collected); keep a "
+                "reference to the group while you call its methods"
+            )
+        return wg._call_registered(self._name, self._spec, *args, **kwargs)
 
 
 def _check_timeout(timeout: float | None) -> None:

@@ -13,6 +13,7 @@ import logging
 import pickle
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -230,3 +231,17 @@ def test_a_dropped_group_runs_every_ranks_hook(caplog: pytest.LogCaptureFixture)
         gc.collect()
     assert sorted(Busy.closed) == [0, 1]
     assert "rank 1 could not close its files" in caplog.text
+
+
+def test_a_dropped_group_is_freed_at_once_after_its_methods_were_called() -> None:
+    Busy.closed.clear()
+    group = _group(2)
+    assert group.sleep(0) == [0, 1]  # caches the bound caller on the group
+    alive = weakref.ref(group)
+    gc.disable()  # freed by reference counting alone, not by a later collection
+    try:
+        del group
+        assert alive() is None
+        assert sorted(Busy.closed) == [0, 1]
+    finally:
+        gc.enable()
