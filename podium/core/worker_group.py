@@ -177,10 +177,12 @@ class WorkerGroup:
         spec = methods.get(name)
         if spec is None:
             raise AttributeError(self._missing_method_message(name))
-        caller = _RegisteredCall(self, name, spec)
-        functools.update_wrapper(caller, getattr(self._cls_with_init.cls, name))
-        self.__dict__[name] = caller  # later lookups skip __getattr__ (a hot path)
-        return caller
+        method = getattr(self._cls_with_init.cls, name)
+        # Later lookups skip __getattr__ (a hot path) and find a caller that does
+        # not keep the group alive; the one returned now does, so a group used
+        # only in one expression (WorkerGroup(...).method()) lives through the call.
+        self.__dict__[name] = functools.update_wrapper(_RegisteredCall(self, name, spec), method)
+        return functools.update_wrapper(_RegisteredCall(self, name, spec, hold=True), method)
 
     def __dir__(self) -> Iterable[str]:
         return sorted(set(super().__dir__()) | set(self.__dict__.get("_methods", {})))
@@ -347,8 +349,9 @@ class _RegisteredCall:
     reference, so the cache makes no reference cycle and a dropped group is freed
     (and its workers released) at once, not at the next garbage collection."""
 
-    def __init__(self, wg: WorkerGroup, name: str, spec: MethodSpec) -> None:
+    def __init__(self, wg: WorkerGroup, name: str, spec: MethodSpec, *, hold: bool = False) -> None:
         self._wg = weakref.ref(wg)
+        self._held = wg if hold else None
         self._name = name
         self._spec = spec
 

@@ -245,3 +245,7 @@ def test_a_dropped_group_is_freed_at_once_after_its_methods_were_called() -> Non
         assert sorted(Busy.closed) == [0, 1]
     finally:
         gc.enable()
+
+
+def test_a_group_used_in_one_expression_lives_through_the_call() -> None:
+    assert _group(2).sleep(0) == [0, 1]
