@@ -69,6 +69,8 @@ class Capabilities:
     """A ``DataProtoFuture`` passed into a call moves between workers, not through the controller."""
     call_timeout: bool = False
     """Deadlines (``register(timeout=)``, ``call_timeout=``) interrupt a wait on a running call."""
+    cancels_timed_out_calls: bool = False
+    """A call past its deadline is stopped on its ranks: the next call does not wait behind it."""
     detects_dead_workers: bool = False
     """A worker that dies is a ``WorkerDiedError`` at the controller."""
     worker_env: bool = False
@@ -230,9 +232,10 @@ class Backend(ABC):
         from podium.core.worker import user_classes
 
         # Classes from test files or a script's sibling modules travel by value
-        # (a worker started elsewhere could not import them); one place for every backend.
+        # (a worker started elsewhere could not import them), importable ones by
+        # reference; one place for every backend.
         for cls in user_classes(spec.cls_with_init):
-            ensure_importable_by_value(cls)
+            ensure_importable_by_value(cls, spec.worker_env)
         # A pool the cluster can never hold is refused before anything starts.
         self.check_resources([spec.pool])
         return self._start_group(spec)

@@ -23,7 +23,17 @@ from podium.core.futures import DataProtoFuture
 from podium.core.worker import ClassWithInitArgs, ColocatedWorker, RankInfo, _constructing_rank
 from podium.errors import RemoteError, exception_parts, make_remote_error, rebuild_exception
 
-__all__ = ["MESH_INFO", "Outcome", "RemoteFailure", "WorkerHost", "split_target"]
+__all__ = [
+    "ARGUMENT_NOT_LOADED",
+    "MESH_INFO",
+    "RESULT_NOT_LOADED",
+    "RESULT_NOT_SENT",
+    "Outcome",
+    "RemoteFailure",
+    "WorkerHost",
+    "crossing_failure",
+    "split_target",
+]
 
 # Built-in target: returns the worker's (dp_rank, is_collect) for a mesh name.
 MESH_INFO = "__podium_mesh_info__"
@@ -89,6 +99,29 @@ class Outcome:
         raise failure.to_exception()
 
 
+# Where a value failed to cross between the controller and a worker (see crossing_failure).
+ARGUMENT_NOT_LOADED = "an argument of the call could not be unpickled in the worker"
+RESULT_NOT_SENT = "the return value could not be pickled in the worker"
+RESULT_NOT_LOADED = "the return value could not be unpickled at the controller"
+
+
+def crossing_failure(exc: BaseException, rank: int | None, method: str, where: str) -> Outcome:
+    """``exc``, raised while a call's value crossed the process boundary, as the call's failed outcome.
+
+    Every backend reports such a value alike, wherever the pickling failed: the
+    caller gets a :class:`podium.RemoteError` that is also ``type(exc)``, with the
+    call's rank and method, and a note saying which value failed where
+    (``where``: :data:`ARGUMENT_NOT_LOADED`, :data:`RESULT_NOT_SENT` or
+    :data:`RESULT_NOT_LOADED`). The group stays usable. An argument that fails to
+    pickle at the controller is not one of these: it raises from the call itself.
+    """
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        raise exc
+    failure = RemoteFailure.capture(exc, rank, method)
+    failure.traceback += f"podium: {where} (rank {rank}, method {method!r})\n"
+    return Outcome(False, failure)
+
+
 class WorkerHost:
     """Owns the user's worker object in one rank."""
 
@@ -130,9 +163,15 @@ class WorkerHost:
             if spec is None or spec.materialize_futures:
                 args = tuple(_materialize(a) for a in args)
                 kwargs = {k: _materialize(v) for k, v in kwargs.items()}
-            result = method(*args, **kwargs)
-            if inspect.isawaitable(result):
-                result = self._run_async(result)
+            # A Worker built inside a method (a sub-worker, as verl builds in
+            # init_model) gets this rank, not the environment's (none inline).
+            token = _constructing_rank.set(self.info)
+            try:
+                result = method(*args, **kwargs)
+                if inspect.isawaitable(result):
+                    result = self._run_async(result)
+            finally:
+                _constructing_rank.reset(token)
             return Outcome(True, result)
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):

@@ -13,18 +13,21 @@ once so the tensor is safe to write.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import sys
 import sysconfig
 import types
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import cloudpickle
 import numpy as np
 import torch
 
-__all__ = ["copy_via_pickle", "dumps", "ensure_importable_by_value", "loads"]
+from podium.core.importability import worker_can_import
+
+__all__ = ["copy_via_pickle", "dumps", "dumps_in_process", "ensure_importable_by_value", "loads"]
 
 Buffer = Any  # anything exposing the buffer protocol (memoryview, PickleBuffer, zmq.Frame, ndarray)
 
@@ -107,12 +110,21 @@ def loads(header: Buffer, buffers: Sequence[Buffer] = ()) -> Any:
     return pickle.loads(header, buffers=buffers)
 
 
-def copy_via_pickle(obj: Any) -> Any:
-    """A deep copy made the way a process boundary makes it (used by the inline backend)."""
+def dumps_in_process(obj: Any) -> tuple[bytes, list[np.ndarray]]:
+    """The first half of :func:`copy_via_pickle`: ``obj`` pickled, its buffers already copied.
+
+    ``loads(*dumps_in_process(obj))`` is the copy; the inline backend runs the
+    two halves apart, so that a failure says on which side of the "boundary" it was.
+    """
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
     _InProcessPickler(stream, protocol=5, buffer_callback=buffers.append).dump(obj)
-    return loads(stream.getvalue(), [np.array(b.raw(), dtype=np.uint8) for b in buffers])
+    return stream.getvalue(), [np.array(b.raw(), dtype=np.uint8) for b in buffers]
+
+
+def copy_via_pickle(obj: Any) -> Any:
+    """A deep copy made the way a process boundary makes it (used by the inline backend)."""
+    return loads(*dumps_in_process(obj))
 
 
 _INSTALLED_ROOTS = tuple(
@@ -127,14 +139,17 @@ _INSTALLED_ROOTS = tuple(
 )
 
 
-def ensure_importable_by_value(obj: Any) -> None:
-    """Make user code defined outside installed packages travel by value.
+def ensure_importable_by_value(obj: Any, worker_env: Mapping[str, str] | None = None) -> None:
+    """Make user code that workers cannot import travel by value.
 
     Classes from ``__main__`` already do (cloudpickle's rule). Code from a test
     file or a script's sibling module is importable in the controller only
     because of how the controller was started (pytest's rootdir, the script's
     directory on ``sys.path``); a worker started elsewhere cannot import it, so
-    its module is registered with cloudpickle to be pickled by value.
+    its module is registered with cloudpickle to be pickled by value. Modules a
+    worker can import -- installed, editable installs, directories on
+    ``PYTHONPATH`` (the controller's, or the one ``worker_env`` sets) -- go by
+    reference, so a class stays itself (see :mod:`podium.core.importability`).
     """
     module_name = getattr(obj, "__module__", None)
     if not module_name or module_name == "__main__":
@@ -147,6 +162,9 @@ def ensure_importable_by_value(obj: Any) -> None:
         return
     path = getattr(module, "__file__", None)
     if not path or path.startswith(_INSTALLED_ROOTS):
+        return
+    env = os.environ if worker_env is None or "PYTHONPATH" not in worker_env else worker_env
+    if worker_can_import(module, env.get("PYTHONPATH")):
         return
     try:
         cloudpickle.register_pickle_by_value(module)

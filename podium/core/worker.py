@@ -47,8 +47,8 @@ class RankInfo:
         )
 
 
-# Set by the worker host around the user's constructor so that Worker.__init__
-# (and anything the user's __init__ calls) already knows its rank.
+# Set by the worker host around the user's constructor and every call, so that
+# Worker.__init__ (and a Worker built inside a method) knows its rank.
 _constructing_rank: contextvars.ContextVar[RankInfo | None] = contextvars.ContextVar(
     "podium_constructing_rank", default=None
 )
@@ -95,9 +95,18 @@ class Worker:
         ``dp_rank`` is the data-parallel replica it belongs to; ``is_collect``
         marks the one rank per replica whose output is gathered (the others --
         TP/PP peers -- receive the same shard and their outputs are dropped).
+        Each mesh is declared once per worker: a second declaration raises ``ValueError``.
         """
         if not isinstance(dp_rank, int) or dp_rank < 0:
             raise ValueError(f"dp_rank must be an int >= 0, got {dp_rank!r}")
+        if mesh_name in self._podium_mesh:
+            # A group reads each mesh's layout once and keeps it: a second
+            # declaration would silently disagree with that cached layout.
+            dp, collect = self._podium_mesh[mesh_name]
+            raise ValueError(
+                f"mesh {mesh_name!r} is already registered on rank {self.rank} (dp_rank={dp}, "
+                f"is_collect={collect}); register each mesh once per worker, or use another mesh name"
+            )
         self._podium_mesh[mesh_name] = (dp_rank, bool(is_collect))
 
     def _query_dispatch_collect_info(self, mesh_name: str) -> tuple[int, bool] | None:

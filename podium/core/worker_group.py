@@ -180,10 +180,12 @@ class WorkerGroup:
         spec = methods.get(name)
         if spec is None:
             raise AttributeError(self._missing_method_message(name))
-        caller = functools.partial(self._call_registered, name, spec)
-        functools.update_wrapper(caller, getattr(self._cls_with_init.cls, name))
-        self.__dict__[name] = caller  # later lookups skip __getattr__ (a hot path)
-        return caller
+        method = getattr(self._cls_with_init.cls, name)
+        # Later lookups skip __getattr__ (a hot path) and find a caller that does
+        # not keep the group alive; the one returned now does, so a group used
+        # only in one expression (WorkerGroup(...).method()) lives through the call.
+        self.__dict__[name] = functools.update_wrapper(_RegisteredCall(self, name, spec), method)
+        return functools.update_wrapper(_RegisteredCall(self, name, spec, hold=True), method)
 
     def __dir__(self) -> Iterable[str]:
         return sorted(set(super().__dir__()) | set(self.__dict__.get("_methods", {})))
@@ -343,6 +345,27 @@ class WorkerGroup:
         cls = self._cls_with_init.cls.__qualname__
         role = f" role={self._role!r}" if self._role else ""
         return f"<WorkerGroup {cls}{role} world_size={self.world_size} backend={self.backend!r}>"
+
+
+class _RegisteredCall:
+    """``wg.<method>``, cached on the group: it reaches the group through a weak
+    reference, so the cache makes no reference cycle and a dropped group is freed
+    (and its workers released) at once, not at the next garbage collection."""
+
+    def __init__(self, wg: WorkerGroup, name: str, spec: MethodSpec, *, hold: bool = False) -> None:
+        self._wg = weakref.ref(wg)
+        self._held = wg if hold else None
+        self._name = name
+        self._spec = spec
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        wg = self._wg()
+        if wg is None:
+            raise RuntimeError(
+                f"the WorkerGroup of {self._name!r} was dropped (garbage collected); keep a "
+                "reference to the group while you call its methods"
+            )
+        return wg._call_registered(self._name, self._spec, *args, **kwargs)
 
 
 def _check_timeout(timeout: float | None) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from podium import ResourcePool, ResourcePoolManager, merge_resource_pool, split_resource_pool
+from podium.errors import ResourceUnavailableError
 
 
 def test_pool_shape() -> None:
@@ -45,7 +47,9 @@ def test_merge_concatenates_slots_and_refuses_overlap() -> None:
 
 
 def test_manager_maps_roles_and_checks_through_the_backend() -> None:
-    mgr = ResourcePoolManager({"global": [2], "reward": [1]}, {"actor": "global", "critic": "global", "rm": "reward"})
+    mgr = ResourcePoolManager(
+        {"global": [2], "reward": [1]}, {"actor": "global", "critic": "global", "rm": "reward"}, use_gpu=False
+    )
     with pytest.raises(RuntimeError, match="create_resource_pool"):
         mgr.get_resource_pool("actor")
     mgr.create_resource_pool(backend="inline")
@@ -56,3 +60,10 @@ def test_manager_maps_roles_and_checks_through_the_backend() -> None:
         mgr.get_resource_pool("ref")
     with pytest.raises(ValueError, match="does not define"):
         ResourcePoolManager({"a": [1]}, {"actor": "b"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")
+def test_manager_refuses_gpu_pools_a_backend_without_gpus_cannot_hold() -> None:
+    mgr = ResourcePoolManager({"global": [2]}, {"actor": "global"})  # use_gpu=True, as in verl
+    with pytest.raises(ResourceUnavailableError, match="use_gpu=False"):
+        mgr.create_resource_pool(backend="inline")

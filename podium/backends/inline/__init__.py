@@ -4,34 +4,132 @@ No processes, no process group, no per-rank environment; breakpoints work.
 For debugging and fast unit tests. Each rank receives its own copy of every
 argument, and the controller a copy of every result, made by pickling as a
 process boundary would, so code behaves here as it does on process backends.
-Calls run when they are submitted, one rank after another.
+
+Calls run when they are submitted, in the submitting thread, one rank after
+another. The backend contract holds as on process backends:
+
+1. One call per rank at a time: calls submitted from several threads wait for
+   the rank to be free (a worker method that calls its own rank again from the
+   same thread runs at once, where a process backend would deadlock).
+2. ``sys.exit()`` (``SystemExit``) in a worker method is that rank's death:
+   :class:`podium.errors.WorkerDiedError`, and the group is unusable, as when a
+   worker process exits. ``os._exit()`` cannot be caught in-process: it ends
+   the controller, since every rank *is* the controller.
+3. ``shutdown()`` does not wait on calls in flight: they raise
+   :class:`podium.errors.GroupShutdownError` as soon as the rank method that is
+   running returns (it cannot be interrupted in-process), and calls waiting for
+   a rank raise it without running.
+4. Each rank's ``Worker.shutdown()`` hook runs once, on ``shutdown()``, when the
+   group is dropped without one (garbage collected), or at interpreter exit --
+   never while a call runs on that rank. A failing hook is logged.
+5. A ``use_gpu=True`` pool starts only when the controller sees a GPU; its
+   ranks then share the controller's devices (none is given its own).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from podium.core.backend import Backend, BackendGroup, Capabilities, GroupSpec, RankCall
 from podium.core.futures import RankFuture
-from podium.core.host import Outcome, WorkerHost
-from podium.core.serialization import copy_via_pickle
+from podium.core.host import (
+    ARGUMENT_NOT_LOADED,
+    RESULT_NOT_LOADED,
+    RESULT_NOT_SENT,
+    Outcome,
+    WorkerHost,
+    crossing_failure,
+)
+from podium.core.resource import ResourcePool
+from podium.core.serialization import copy_via_pickle, dumps_in_process, loads
 from podium.core.worker import RankInfo
+from podium.errors import (
+    GroupShutdownError,
+    ResourceUnavailableError,
+    WorkerDiedError,
+    WorkerStartupError,
+)
 
 __all__ = ["InlineBackend"]
 
+log = logging.getLogger("podium.inline")
+
 
 class InlineFuture(RankFuture):
-    def __init__(self, rank: int, method: str, outcome: Outcome) -> None:
+    def __init__(
+        self, rank: int, method: str, outcome: Outcome | None, error: BaseException | None = None
+    ) -> None:
         super().__init__(rank, method)
         self._outcome = outcome
+        self._error = error
 
     def result(self, timeout: float | None = None) -> Any:
+        if self._error is not None:
+            raise self._error
+        if self._outcome is None:  # cannot happen: one of the two is always set
+            raise RuntimeError(f"inline future of rank {self.rank} has no result")
         return self._outcome.unwrap()
 
     def done(self) -> bool:
         return True
+
+
+class _Rank:
+    """One rank: its host, and the lock that runs its calls one at a time."""
+
+    __slots__ = ("closing", "host", "lock", "users")
+
+    def __init__(self, host: WorkerHost) -> None:
+        self.host: WorkerHost | None = host
+        self.lock = threading.RLock()
+        self.users = 0  # threads inside ``lock`` (guarded by the group's state lock)
+        self.closing = False  # the hook was handed to someone to run
+
+
+class _State:
+    """What a group and its finalizer share (the finalizer must not hold the group)."""
+
+    def __init__(self, name: str, env: dict[str, str | None]) -> None:
+        self.name = name
+        self.env = env
+        self.ranks: list[_Rank] = []
+        self.guard = threading.Lock()
+        self.closed = False
+        self.dead: WorkerDiedError | None = None
+
+
+def _close_rank(state: _State, rank: _Rank) -> None:
+    host, rank.host = rank.host, None
+    if host is None:
+        return
+    failure = host.close()
+    if failure is not None:
+        log.warning("group %r: the shutdown() hook failed: %s", state.name, failure.to_exception())
+
+
+def _close(state: _State) -> None:
+    """Shut the group down without waiting on calls (the finalizer of every :class:`InlineGroup`)."""
+    with state.guard:
+        state.closed = True
+        idle = [rank for rank in state.ranks if rank.users == 0 and not rank.closing]
+        for rank in idle:
+            rank.closing = True
+    # A busy rank is closed by the thread running its call, once it returns.
+    for rank in idle:
+        _close_rank(state, rank)
+    env, state.env = state.env, {}
+    for key, old in env.items():
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 class InlineGroup(BackendGroup):
@@ -42,38 +140,104 @@ class InlineGroup(BackendGroup):
         local_ws = pool.local_world_size_list()
         local_rank = pool.local_rank_list()
         node_of = [slot.node for slot in pool.slots]
-        self._env = _apply_env(spec.worker_env)
-        self._hosts: list[WorkerHost] = []
+        self._state = state = _State(spec.name_prefix, _apply_env(spec.worker_env))
+        self._finalizer = weakref.finalize(self, _close, state)
         for rank in range(self.world_size):
-            info = RankInfo(rank, self.world_size, local_rank[rank], local_ws[rank], node_rank=node_of[rank])
-            host, outcome = WorkerHost.start(info, copy_via_pickle(spec.cls_with_init))
+            info = RankInfo(
+                rank, self.world_size, local_rank[rank], local_ws[rank], node_rank=node_of[rank]
+            )
+            try:
+                host, outcome = WorkerHost.start(info, copy_via_pickle(spec.cls_with_init))
+            except SystemExit as exc:
+                self._finalizer()
+                raise WorkerStartupError(
+                    f"the constructor of rank {rank} called sys.exit({exc.code!r})", rank=rank
+                ) from None
             if host is None:
-                self._shutdown()
+                self._finalizer()
                 outcome.unwrap()
                 return
-            self._hosts.append(host)
+            state.ranks.append(_Rank(host))
 
-    def submit(self, target: str, calls: Sequence[RankCall], *, timeout: float | None = None) -> list[RankFuture]:
-        if getattr(self, "_podium_closed", False):
-            raise RuntimeError("this worker group was shut down")
-        futures: list[RankFuture] = []
-        for call in calls:
-            args, kwargs = copy_via_pickle((call.args, call.kwargs))
-            outcome = self._hosts[call.rank].run(target, args, kwargs)
-            if outcome.ok:
-                outcome = Outcome(True, copy_via_pickle(outcome.value))
-            futures.append(InlineFuture(call.rank, target, outcome))
-        return futures
+    def submit(
+        self, target: str, calls: Sequence[RankCall], *, timeout: float | None = None
+    ) -> list[RankFuture]:
+        # Every argument is pickled first, as a process backend does before
+        # sending: one that does not pickle raises here and no rank runs.
+        sent = [dumps_in_process((call.args, call.kwargs)) for call in calls]
+        return [self._run(call.rank, target, payload) for call, payload in zip(calls, sent)]
+
+    def _run(
+        self, index: int, target: str, payload: tuple[bytes, list[np.ndarray]]
+    ) -> InlineFuture:
+        state = self._state
+        rank = state.ranks[index]
+        with rank.lock:
+            with state.guard:
+                rank.users += 1
+                stopped = state.closed
+            error: BaseException | None = None
+            outcome: Outcome | None = None
+            try:
+                if stopped:
+                    error = GroupShutdownError(state.name, method=target, ranks=[index])
+                elif state.dead is not None:
+                    error = state.dead
+                else:
+                    outcome = self._call(rank, index, target, payload)
+                    if outcome is None:
+                        error = state.dead
+            finally:
+                with state.guard:
+                    rank.users -= 1
+                    close_now = state.closed and rank.users == 0 and not rank.closing
+                    if close_now:
+                        rank.closing = True
+                    if state.closed and error is None:
+                        # Shut down while this call ran: its result is not delivered.
+                        error = GroupShutdownError(state.name, method=target, ranks=[index])
+                if close_now:
+                    _close_rank(state, rank)
+        return InlineFuture(index, target, outcome, error)
+
+    def _call(
+        self, rank: _Rank, index: int, target: str, payload: tuple[bytes, list[np.ndarray]]
+    ) -> Outcome | None:
+        """One call on one rank; ``None`` when the call ended the rank (``sys.exit``)."""
+        host = rank.host
+        if host is None:  # cannot happen: a rank loses its host only when closed or dead
+            raise RuntimeError(f"rank {index} of group {self._state.name!r} has no worker")
+        try:
+            args, kwargs = loads(*payload)
+        except Exception as exc:
+            return crossing_failure(exc, index, target, ARGUMENT_NOT_LOADED)
+        try:
+            outcome = host.run(target, args, kwargs)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            rank.host = None  # the worker is gone, as with a process that exited: no hook
+            self._state.dead = WorkerDiedError(
+                index,
+                exit_code=code,
+                detail=(
+                    f"{target!r} called sys.exit({exc.code!r}); the inline backend runs every rank in the "
+                    "controller process, so it ends the rank instead of the controller"
+                ),
+            )
+            return None
+        if not outcome.ok:
+            return outcome
+        try:
+            result = dumps_in_process(outcome.value)
+        except Exception as exc:
+            return crossing_failure(exc, index, target, RESULT_NOT_SENT)
+        try:
+            return Outcome(True, loads(*result))
+        except Exception as exc:
+            return crossing_failure(exc, index, target, RESULT_NOT_LOADED)
 
     def _shutdown(self) -> None:
-        for host in self._hosts:
-            host.close()
-        self._hosts = []
-        for key, old in self._env.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
+        self._finalizer()
 
 
 def _apply_env(worker_env: dict[str, str] | Any) -> dict[str, str | None]:
@@ -91,10 +255,29 @@ def _apply_env(worker_env: dict[str, str] | Any) -> dict[str, str | None]:
     return saved
 
 
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 class InlineBackend(Backend):
     name = "inline"
     capabilities = Capabilities(fractional_colocation=True)
     options = ()
+
+    def check_resources(self, pools: Sequence[ResourcePool]) -> None:
+        """A ``use_gpu=True`` pool needs a GPU in the controller (its ranks share it)."""
+        wanted = [pool for pool in pools if pool.use_gpu]
+        if wanted and _visible_gpus() == 0:
+            demand = sum(pool.world_size for pool in wanted)
+            raise ResourceUnavailableError(
+                f"a use_gpu=True pool ({demand} rank(s)) cannot start on the inline backend: it runs "
+                "every rank in the controller process, which sees no GPU. Make the pool with "
+                "use_gpu=False, or use a backend with GPUs ('ray', 'torchrun').",
+                demand={"GPU": demand},
+                supply={"GPU": 0},
+            )
 
     def _start_group(self, spec: GroupSpec) -> BackendGroup:
         return InlineGroup(spec)

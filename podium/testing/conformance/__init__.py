@@ -8,9 +8,17 @@ from podium.testing.conformance.base import BackendFixtures
 from podium.testing.conformance.dispatch_tests import DispatchTests
 from podium.testing.conformance.errors_tests import ErrorTests
 from podium.testing.conformance.execution_tests import ExecutionTests
+from podium.testing.conformance.lifecycle_tests import LifecycleTests
 
-__all__ = ["BackendFixtures", "ConformanceSuite", "DispatchTests", "ErrorTests", "ExecutionTests"]
+__all__ = [
+    "BackendFixtures",
+    "ConformanceSuite",
+    "DispatchTests",
+    "ErrorTests",
+    "ExecutionTests",
+    "LifecycleTests",
+]
 
 
-class ConformanceSuite(DispatchTests, ExecutionTests, ErrorTests):
+class ConformanceSuite(DispatchTests, ExecutionTests, ErrorTests, LifecycleTests):
     """Every conformance test, sharing one set of started groups per class."""

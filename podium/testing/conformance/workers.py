@@ -7,8 +7,11 @@ them by reference; the suite also checks by-value classes separately.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import signal
+import sys
+import threading
 import time
 from typing import Any
 
@@ -33,12 +36,33 @@ class SuiteError(Exception):
         self.detail = detail
 
 
+def _refuse(what: str) -> Any:
+    raise ValueError(f"{what} refuses to be unpickled")
+
+
+class Unloadable:
+    """Pickles fine; unpickling it raises, on whichever side receives it."""
+
+    def __reduce__(self) -> Any:
+        return (_refuse, ("Unloadable",))
+
+
+class Unsendable:
+    """Cannot be pickled at all."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError("Unsendable cannot be pickled")
+
+
 class ConformanceWorker(Worker):
     def __init__(self, offset: int = 0) -> None:
         super().__init__()
         self.offset = offset
         self.rank_at_init = (self.rank, self.world_size, self.local_rank, self.local_world_size)
         self.calls = 0
+        self.running = 0
+        self.most_running = 0
+        self.guard = threading.Lock()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def whoami(self, tag: Any = None) -> dict[str, Any]:
@@ -152,8 +176,56 @@ class ConformanceWorker(Worker):
         time.sleep(30)
         return self.rank
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def exit(self, on_rank: int, code: int) -> int:
+        if self.rank == on_rank:
+            sys.exit(code)
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def overlap(self, seconds: float) -> int:
+        """Sleeps; returns the most calls this rank ever ran at the same time."""
+        with self.guard:
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+        try:
+            time.sleep(seconds)
+        finally:
+            with self.guard:
+                self.running -= 1
+        return self.most_running
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def bad_return(self, on_rank: int, kind: str) -> Any:
+        if self.rank != on_rank:
+            return self.rank
+        return Unloadable() if kind == "unloadable" else Unsendable()
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def take(self, value: Any) -> int:
+        return self.rank
+
     def not_registered(self) -> int:
         return self.rank
+
+
+class LifecycleWorker(ConformanceWorker):
+    """Appends ``shutdown <rank>`` to ``marker`` from its shutdown() hook, and
+    ``atexit <rank>`` from an atexit handler when it runs in its own process."""
+
+    def __init__(self, marker: str, controller_pid: int) -> None:
+        super().__init__()
+        self.marker = marker
+        if os.getpid() != controller_pid:
+            atexit.register(_append, marker, f"atexit {self.rank}")
+
+    def shutdown(self) -> None:
+        _append(self.marker, f"shutdown {self.rank}")
+
+
+def _append(path: str, line: str) -> None:
+    with open(path, "a") as f:
+        f.write(line + "\n")
 
 
 def _add(worker: ConformanceWorker, data: DataProto) -> DataProto:
