@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from grpo_task import Writer, check_args, engine_configs, make_parser, train
+from grpo_task import Writer, check_args, engine_configs, make_parser, train, use_gpu
 
 from podium import ClassWithInitArgs, ResourcePool, WorkerGroup, create_colocated_worker_cls
 from podium.engines.fsdp import TrainingWorker
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
             "ref": ClassWithInitArgs(TrainingWorker, ref_cfg),
         }
     )
-    pool = ResourcePool([args.world_size], use_gpu=False, max_colocate_count=1)
+    pool = ResourcePool([args.world_size], use_gpu=use_gpu(args))
     with WorkerGroup(pool, roles, backend=args.backend, name_prefix="grpo") as wg:
         views = wg.spawn(["actor", "ref"])
         actor, ref = views["actor"], views["ref"]

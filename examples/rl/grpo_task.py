@@ -69,6 +69,12 @@ def make_parser(description: str, *, with_backend: bool) -> argparse.ArgumentPar
     p.add_argument(
         "--micro-batch", type=int, default=0, help="rows per micro-batch (0: the whole shard)"
     )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="cuda: NCCL and bf16 on one GPU per rank; auto: cuda when torch sees a GPU",
+    )
     p.add_argument("--no-plot", action="store_true", help="do not write metrics.png")
     return p
 
@@ -101,10 +107,15 @@ def engine_configs(args: argparse.Namespace) -> tuple[EngineConfig, EngineConfig
         tp=args.tp,
         threads=args.threads,
         micro_batch_size=args.micro_batch or None,
+        device=args.device,
     )
     actor = EngineConfig(**common, lr=args.lr, kl_coef=args.kl_coef)
     ref = EngineConfig(**common, trainable=False)
     return actor, ref
+
+
+def use_gpu(args: argparse.Namespace) -> bool:
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
 
 
 def make_prompts(
