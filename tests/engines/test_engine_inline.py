@@ -115,3 +115,37 @@ def test_bad_input_is_a_clear_error(wg: WorkerGroup) -> None:
         LMConfig(d_model=30, n_heads=4)
     with pytest.raises(ValueError, match="micro_batch_size"):
         EngineConfig(micro_batch_size=0)
+
+
+def test_a_hugging_face_causal_lm_from_a_local_config_trains() -> None:
+    pytest.importorskip("transformers")
+    from podium.engines.fsdp import HFCausalLM
+
+    factory = HFCausalLM(
+        "llama",
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    config = EngineConfig(model_factory=factory, seed=0, lr=1e-2)
+    with WorkerGroup(
+        ResourcePool([1], use_gpu=False),
+        ClassWithInitArgs(TrainingWorker, config),
+        backend="inline",
+    ) as hf:
+        hf.init_model()
+        gen = hf.generate(_prompts(torch.arange(4)))
+        ids, resp = gen.batch["input_ids"], gen.batch["responses"]
+        before = hf.compute_log_prob(DataProto.from_dict({"input_ids": ids, "responses": resp}))
+        adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+        metrics = hf.train_batch(
+            DataProto.from_dict({"input_ids": ids, "responses": resp, "advantages": adv})
+        )[0]
+        after = hf.compute_log_prob(DataProto.from_dict({"input_ids": ids, "responses": resp}))
+    assert resp.shape == (4, 6) and metrics["grad_norm"] > 0
+    moved = (after.batch["log_probs"] - before.batch["log_probs"]).sum(1)
+    assert float((moved * adv).sum()) > 0  # rewarded samples became more likely

@@ -9,6 +9,7 @@ because threads, seeds and the batch split are settings of the engine
 
 from podium.engines.fsdp.config import EngineConfig
 from podium.engines.fsdp.engine import FSDPEngine, init_distributed
+from podium.engines.fsdp.hf import HFCausalLM
 from podium.engines.fsdp.model import LMConfig, TinyLM
 from podium.engines.fsdp.sampling import per_sample_uniforms, sample_tokens
 from podium.engines.fsdp.worker import MESH_NAME, TrainingWorker
@@ -17,6 +18,7 @@ __all__ = [
     "MESH_NAME",
     "EngineConfig",
     "FSDPEngine",
+    "HFCausalLM",
     "LMConfig",
     "TinyLM",
     "TrainingWorker",
