@@ -113,6 +113,8 @@ def test_bad_input_is_a_clear_error(wg: WorkerGroup) -> None:
         )
     with pytest.raises(ValueError, match="d_model 30 must be a multiple of n_heads 4"):
         LMConfig(d_model=30, n_heads=4)
+    with pytest.raises(ValueError, match="tp=3 must divide the model's n_heads=4"):
+        EngineConfig(model=LMConfig(n_heads=4), tp=3)
     with pytest.raises(ValueError, match="micro_batch_size"):
         EngineConfig(micro_batch_size=0)
 

@@ -58,6 +58,11 @@ class EngineConfig:
             )
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"EngineConfig.tp must be an int >= 1, got {self.tp!r}")
+        if self.tp > 1 and self.model_factory is None and self.model.n_heads % self.tp:
+            raise ValueError(
+                f"EngineConfig: tp={self.tp} must divide the model's n_heads={self.model.n_heads} "
+                "(each TP rank holds whole attention heads)"
+            )
         if not (isinstance(self.lr, (int, float)) and self.lr >= 0):
             raise ValueError(f"EngineConfig.lr must be a number >= 0, got {self.lr!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
