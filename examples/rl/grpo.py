@@ -27,7 +27,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = make_parser(__doc__.split("\n\n")[0], with_backend=True)
     args = parser.parse_args(argv)
     check_args(parser, args)
-    actor_cfg, ref_cfg = engine_configs(args)
+    try:
+        actor_cfg, ref_cfg = engine_configs(args)
+    except ValueError as exc:  # a model shape the engine rejects, before any process starts
+        parser.error(str(exc))
     roles = create_colocated_worker_cls(
         {
             "actor": ClassWithInitArgs(TrainingWorker, actor_cfg),

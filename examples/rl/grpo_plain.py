@@ -68,7 +68,10 @@ def main(argv: list[str] | None = None) -> None:
             f"--world-size {args.world_size} but this process group has {world} ranks; "
             f"run: torchrun --nproc-per-node {args.world_size} {sys.argv[0]} ..."
         )
-    actor_cfg, ref_cfg = engine_configs(args)
+    try:
+        actor_cfg, ref_cfg = engine_configs(args)
+    except ValueError as exc:  # a model shape the engine rejects, before any process starts
+        parser.error(str(exc))
     actor, ref = TrainingWorker(actor_cfg), TrainingWorker(ref_cfg)
     actor.init_model()
     ref.init_model()
