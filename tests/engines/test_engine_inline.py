@@ -50,7 +50,7 @@ def test_per_sample_uniforms_are_fixed_by_seed_step_and_index() -> None:
     assert not torch.equal(u[0], per_sample_uniforms(1, 3, torch.tensor([3]), 5)[0])
 
 
-def test_training_with_micro_batches_lowers_the_loss_of_a_fixed_batch(wg: WorkerGroup) -> None:
+def test_training_with_micro_batches_makes_rewarded_samples_more_likely(wg: WorkerGroup) -> None:
     # Reward responses for small tokens: advantages from a fixed batch.
     gen = wg.generate(_prompts(torch.arange(8)))
     ids, resp = gen.batch["input_ids"], gen.batch["responses"]
