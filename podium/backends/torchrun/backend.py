@@ -67,6 +67,7 @@ class TorchrunBackend(Backend):
         named_workers=False,
         worker_to_worker_futures=False,
         call_timeout=True,
+        cancels_timed_out_calls=True,
         detects_dead_workers=True,
         worker_env=True,
     )

@@ -46,7 +46,7 @@ from podium.backends.torchrun.shm import (
 )
 from podium.core.backend import BackendGroup, GroupSpec, RankCall
 from podium.core.futures import RankFuture
-from podium.core.host import Outcome
+from podium.core.host import RESULT_NOT_LOADED, Outcome, crossing_failure
 from podium.errors import CallTimeoutError, GroupShutdownError, WorkerDiedError, WorkerStartupError
 
 __all__ = ["TorchrunFuture", "TorchrunGroup"]
@@ -337,12 +337,10 @@ class TorchrunGroup(BackendGroup):
                 fut = state.pending.pop(key, None)
             try:
                 (outcome,) = wire.decode_objects([desc], frames, self._segments)
-            except Exception as exc:
-                if fut is not None:
-                    fut._fail(exc)
-            else:
-                if fut is not None:
-                    fut._resolve(outcome)
+            except Exception as exc:  # the rank's return value does not unpickle here
+                outcome = crossing_failure(exc, state.rank, fut.method if fut else "", RESULT_NOT_LOADED)
+            if fut is not None:
+                fut._resolve(outcome)
             self._collect_freed(state)
         elif kind == wire.BEAT:
             pass
@@ -358,7 +356,10 @@ class TorchrunGroup(BackendGroup):
             _key, desc, released = meta
             if self._pool is not None and released:
                 self._pool.release(released)
-            (outcome,) = wire.decode_objects([desc], frames, self._segments)
+            try:
+                (outcome,) = wire.decode_objects([desc], frames, self._segments)
+            except Exception as exc:
+                outcome = crossing_failure(exc, state.rank, "__init__", RESULT_NOT_LOADED)
             with self._changed:
                 state.ready = outcome
                 self._changed.notify_all()

@@ -272,7 +272,14 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
         SegmentPool,
         tune_malloc,
     )
-    from podium.core.host import Outcome, RemoteFailure, WorkerHost
+    from podium.core.host import (
+        ARGUMENT_NOT_LOADED,
+        RESULT_NOT_SENT,
+        Outcome,
+        RemoteFailure,
+        WorkerHost,
+        crossing_failure,
+    )
     from podium.core.worker import RankInfo
 
     # This process is podium's own: keep large freed blocks in the heap so
@@ -301,7 +308,7 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
         try:
             enc = wire.encode(outcome)
         except Exception as exc:  # the user's return value does not pickle
-            enc = wire.encode(Outcome(False, RemoteFailure.capture(exc, rank, target)))
+            enc = wire.encode(crossing_failure(exc, rank, target, RESULT_NOT_SENT))
         desc, frames = wire.place(enc, pool)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -373,8 +380,16 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
                 control.running = call_id
                 try:
                     del msg[0]  # frames the decoder may drop as it joins them
-                    objs = wire.decode_objects(descs, msg, segments)
+                    try:
+                        objs = wire.decode_objects(descs, msg, segments)
+                    except Exception as exc:
+                        objs = None
+                        outcome = crossing_failure(exc, rank, target, ARGUMENT_NOT_LOADED)
                     del msg
+                    if objs is None:
+                        control.running = None
+                        reply(wire.RESULT, call_id, outcome, target)
+                        continue
                     args = tuple(objs[i] for i in arg_index)
                     kwargs = {k: objs[i] for k, i in kw_index.items()}
                     del objs
