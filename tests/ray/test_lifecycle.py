@@ -284,5 +284,5 @@ def test_nothing_outlives_a_killed_controller(tmp_path: Path) -> None:
         if proc.stdout is not None:
             proc.stdout.close()
     assert eventually(lambda: _processes_with(marker) == [], timeout=15), [
-        open(f"/proc/{pid}/cmdline", "rb").read()[:100] for pid in _processes_with(marker)
+        Path(f"/proc/{pid}/cmdline").read_bytes()[:60] for pid in _processes_with(marker)
     ]

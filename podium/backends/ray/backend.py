@@ -57,7 +57,8 @@ from podium.errors import (
 __all__ = ["RayBackend"]
 
 LOCAL_MIN_CPUS = 64
-LOCAL_GCS_RECONNECT_S = 3
+LOCAL_GCS_RECONNECT_S = 5
+_GCS_RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
 
 
 class RayBackend(Backend):
@@ -165,15 +166,20 @@ class RayBackend(Backend):
         kwargs.setdefault(
             "num_cpus", self.config["num_cpus"] or max(os.cpu_count() or 1, LOCAL_MIN_CPUS)
         )
-        # Ray's agents notice at once that the Ray podium started died with this process,
-        # then retry the dead GCS for gcs_rpc_server_reconnect_timeout_s (default 60 s)
-        # before exiting. Nothing can reconnect to a local Ray whose owner is gone.
-        system_config = dict(kwargs.get("_system_config") or {})
-        system_config.setdefault("gcs_rpc_server_reconnect_timeout_s", LOCAL_GCS_RECONNECT_S)
-        kwargs["_system_config"] = system_config
         if self.config["num_gpus"] is not None:
             kwargs.setdefault("num_gpus", self.config["num_gpus"])
-        ray.init(**kwargs)
+        # Ray's agents (dashboard agent, runtime-env agent) of a local Ray outlive a
+        # killed controller until they give up reconnecting to its dead GCS, 60 s by
+        # default; nothing can reconnect to a Ray whose owner is gone, so they give up
+        # sooner. Ray reads this setting from the environment of the processes it
+        # starts (not from _system_config), so it is set only while Ray starts them.
+        saved = os.environ.get(_GCS_RECONNECT_ENV)
+        os.environ.setdefault(_GCS_RECONNECT_ENV, str(LOCAL_GCS_RECONNECT_S))
+        try:
+            ray.init(**kwargs)
+        finally:
+            if saved is None:
+                os.environ.pop(_GCS_RECONNECT_ENV, None)
         self._started_ray = True
 
     def check_resources(self, pools: Sequence[ResourcePool]) -> None:

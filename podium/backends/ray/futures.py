@@ -20,7 +20,7 @@ from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, Task
 
 from podium.backends.ray import wire
 from podium.core.futures import RankFuture
-from podium.core.host import Outcome
+from podium.core.host import Outcome, RemoteFailure
 from podium.errors import CallTimeoutError, GroupShutdownError, PodiumError, WorkerDiedError
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ class RayRankFuture(RankFuture):
             raise died_error(self.rank, exc) from None
         except GetTimeoutError:  # pragma: no cover - only called on ready refs
             raise CallTimeoutError(self.method, 0.0, [self.rank]) from None
-        self._value = decode_outcome(payload)
+        self._value = _decode_result(payload, self.rank, self.method)
 
 
 class _Failed:
@@ -164,9 +164,24 @@ _decoder: ThreadPoolExecutor | None = None
 _decoder_lock = threading.Lock()
 
 
-def _decode_all(payloads: list[Any]) -> list[Any]:
+def _decode_result(payload: Any, rank: int, method: str) -> Outcome:
+    """A rank's outcome; a return value that fails to unpickle here fails the call, with its
+    rank and method, as it would have in the worker (the group stays usable)."""
+    try:
+        return decode_outcome(payload)
+    except Exception as exc:
+        failure = RemoteFailure.capture(exc, rank, method)
+        failure.traceback += (
+            f"podium: the return value could not be unpickled at the controller "
+            f"(rank {rank}, method {method!r})\n"
+        )
+        return Outcome(False, failure)
+
+
+def _decode_all(futures: list[RayRankFuture], payloads: list[Any]) -> list[Outcome]:
+    args = [(p, f.rank, f.method) for f, p in zip(futures, payloads)]
     if len(payloads) < 2 or sum(wire.payload_nbytes(p) for p in payloads) < _PARALLEL_DECODE_BYTES:
-        return [decode_outcome(p) for p in payloads]
+        return [_decode_result(*a) for a in args]
     global _decoder
     with _decoder_lock:
         if _decoder is None:
@@ -174,7 +189,7 @@ def _decode_all(payloads: list[Any]) -> list[Any]:
                 max_workers=max(1, min(4, os.cpu_count() or 1)),
                 thread_name_prefix="podium-ray-decode",
             )
-    return list(_decoder.map(decode_outcome, payloads))
+    return list(_decoder.map(lambda a: _decode_result(*a), args))
 
 
 def _wait(todo: list[RayRankFuture], deadline: float | None, limit: float | None) -> None:
@@ -213,7 +228,7 @@ def _wait(todo: list[RayRankFuture], deadline: float | None, limit: float | None
                     f._settle()  # the failed one raises
             pending = [f for f in pending if f._value is _UNSET]
             continue
-        for f, value in zip(pending, _decode_all(payloads)):
+        for f, value in zip(pending, _decode_all(pending, payloads)):
             f._value = value
         return
 
