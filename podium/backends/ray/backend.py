@@ -245,9 +245,7 @@ class RayBackend(Backend):
                 node_ranks = [n for n, count in enumerate(pool.store) for _ in range(count)]
             else:
                 # PACK/SPREAD put a node entry's bundles where Ray finds room: ask each rank.
-                local_ranks, local_sizes, node_ranks = _actual_layout(
-                    [(w[0], w[4]) for w in where]
-                )
+                local_ranks, local_sizes, node_ranks = _actual_layout([(w[0], w[4]) for w in where])
             cls_payload: Any = wire.encode(spec.cls_with_init)
             if wire.payload_nbytes(cls_payload) > SHARE_BY_REF_BYTES:
                 cls_payload = ray.put(cls_payload)  # large constructor arguments: stored once
@@ -408,7 +406,9 @@ def _actual_layout(nodes: list[tuple[str, str]]) -> tuple[list[int], list[int], 
     Nodes are numbered by IP (node id breaks ties), as the pool's node entries
     are; ranks on one node are numbered in rank order.
     """
-    order = {n: i for i, n in enumerate(sorted(set(nodes), key=lambda n: (ip_sort_key(n[0]), n[1])))}
+    order = {
+        n: i for i, n in enumerate(sorted(set(nodes), key=lambda n: (ip_sort_key(n[0]), n[1])))
+    }
     seen: dict[tuple[str, str], int] = {}
     local_ranks = []
     for node in nodes:

@@ -355,11 +355,19 @@ def finish_dropped_stops(timeout: float) -> None:
 @atexit.register
 def _stop_all_at_exit() -> None:
     """The controller exits: stop its live groups (and finish dropped ones') before Ray shuts down."""
-    for group in list(_live):
+
+    def stop(group: RayGroup) -> None:
         try:
             group.shutdown()
         except Exception:  # exiting: stop what can be stopped
             pass
+
+    # All at once: each waits for its ranks' hooks and exits.
+    stoppers = [threading.Thread(target=stop, args=(g,), daemon=True) for g in list(_live)]
+    for thread in stoppers:
+        thread.start()
+    for thread in stoppers:
+        thread.join(timeout=60)
     with _stopping_lock:
         threads = list(_stopping)
     for thread in threads:
