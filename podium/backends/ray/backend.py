@@ -31,7 +31,7 @@ import ray
 from ray.exceptions import GetTimeoutError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from podium.backends.ray import wire
+from podium.backends.ray import reaper, wire
 from podium.backends.ray.actor import actor_class
 from podium.backends.ray.futures import RayRankFuture, decode_outcome, died_error
 from podium.backends.ray.group import SHARE_BY_REF_BYTES, RayGroup, finish_dropped_stops
@@ -171,15 +171,22 @@ class RayBackend(Backend):
         # Ray's agents (dashboard agent, runtime-env agent) of a local Ray outlive a
         # killed controller until they give up reconnecting to its dead GCS, 60 s by
         # default; nothing can reconnect to a Ray whose owner is gone, so they give up
-        # sooner. Ray reads this setting from the environment of the processes it
-        # starts (not from _system_config), so it is set only while Ray starts them.
-        saved = os.environ.get(_GCS_RECONNECT_ENV)
-        os.environ.setdefault(_GCS_RECONNECT_ENV, str(LOCAL_GCS_RECONNECT_S))
+        # sooner, and a watcher kills what is left (see podium.backends.ray.reaper).
+        # Both are environment variables of the processes Ray starts, so they are set
+        # only while ray.init starts them.
+        env = {_GCS_RECONNECT_ENV: str(LOCAL_GCS_RECONNECT_S), **reaper.start_watcher()}
+        if _GCS_RECONNECT_ENV in os.environ:
+            del env[_GCS_RECONNECT_ENV]  # the user's own setting wins
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             ray.init(**kwargs)
         finally:
-            if saved is None:
-                os.environ.pop(_GCS_RECONNECT_ENV, None)
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         self._started_ray = True
 
     def check_resources(self, pools: Sequence[ResourcePool]) -> None:
@@ -379,6 +386,7 @@ class RayBackend(Backend):
             group.shutdown()
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+            reaper.stop_watchers()
 
 
 def _gather_raw(futures: list[RayRankFuture], timeout: float) -> None:
