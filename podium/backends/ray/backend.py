@@ -180,7 +180,9 @@ class RayBackend(Backend):
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            ray.init(**kwargs)
+            # "local": a new instance, even where `ray start` left a cluster address on
+            # this host (Ray would connect to that one and refuse num_cpus).
+            ray.init(**{"address": "local", **kwargs})
         finally:
             for key, value in saved.items():
                 if value is None:
