@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -60,6 +61,24 @@ def test_pool_spans_nodes_with_ranks_ordered_by_node(cluster: Cluster) -> None:
     assert {i["local_world_size"] for i in info} == {"2"}
 
 
+@pytest.mark.parametrize("strategy", ["PACK", "SPREAD"])
+def test_local_ranks_follow_where_ray_put_each_rank(cluster: Cluster, strategy: str) -> None:
+    # One node entry of 4 does not fit a 2-CPU node: Ray splits it over both nodes.
+    with WorkerGroup(
+        ResourcePool([2 * CPUS_PER_NODE], use_gpu=False),
+        ClassWithInitArgs(Where),
+        backend="ray",
+        backend_options={"placement_strategy": strategy},
+    ) as wg:
+        info = wg.where()
+    nodes = [i["node"] for i in info]
+    assert len(set(nodes)) == 2
+    for rank, item in enumerate(info):
+        same = [r for r, n in enumerate(nodes) if n == item["node"]]
+        assert item["local_rank"] == str(same.index(rank))
+        assert item["local_world_size"] == str(len(same))
+
+
 def test_node_entry_larger_than_any_node_fails_fast(cluster: Cluster) -> None:
     start = time.monotonic()
     with pytest.raises(ResourceUnavailableError, match="no single node"):
@@ -110,3 +129,33 @@ def test_another_controller_attaches_and_its_exit_leaves_nothing(cluster: Cluste
             lambda: len(live_placement_groups()) == 1, timeout=30
         )  # only this test's own
     assert live_placement_groups() == []
+
+
+def test_autoscaling_option_waits_for_the_cluster_to_grow(cluster: Cluster) -> None:
+    # No node holds 3 CPUs (a fixed cluster fails at once, see above); an autoscaling
+    # one may add such a node: here the test adds it while the group waits.
+    outcome: list[Any] = []
+
+    def start() -> None:
+        try:
+            with WorkerGroup(
+                ResourcePool([CPUS_PER_NODE + 1], use_gpu=False),
+                ClassWithInitArgs(Where),
+                backend="ray",
+                backend_options={"autoscaling": True, "placement_timeout": 120.0},
+            ) as wg:
+                outcome.append(wg.where())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    time.sleep(3)
+    assert not outcome, outcome  # still waiting for a node that can hold it
+    node = cluster.add_node(num_cpus=CPUS_PER_NODE + 1)  # (signals: main thread only)
+    try:
+        starter.join(timeout=150)
+        assert len(outcome) == 1 and isinstance(outcome[0], list), outcome
+        assert len({i["node"] for i in outcome[0]}) == 1 and len(outcome[0]) == CPUS_PER_NODE + 1
+    finally:
+        cluster.remove_node(node)

@@ -204,6 +204,25 @@ def test_attach_reaches_named_workers_without_owning_them() -> None:
         WorkerGroup.attach("probe_named", Probe, backend="ray")
 
 
+def test_attach_looks_names_up_without_listing_every_actor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with WorkerGroup(
+        ResourcePool([2], use_gpu=False),
+        ClassWithInitArgs(Probe),
+        backend="ray",
+        name_prefix="probe_direct",
+    ) as wg:
+
+        def listing(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("attach listed the named actors of every namespace")
+
+        monkeypatch.setattr(ray.util, "list_named_actors", listing)
+        attached = WorkerGroup.attach("probe_direct", Probe, backend="ray")
+        assert [i["rank"] for i in attached.info()] == [i["rank"] for i in wg.info()]
+        attached.shutdown()
+
+
 # -- data paths ------------------------------------------------------------------
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,12 +30,15 @@ class _RankActor:
         self.host: WorkerHost | None = None
         self.rank: int | None = None
 
-    def where(self) -> tuple[str, int, int]:
-        """This node's address, a free TCP port on it (rank 0's hosts the rendezvous) and the pid."""
+    def where(self) -> tuple[str, int, int, str, str]:
+        """This node's address, a free TCP port on it (rank 0's hosts the rendezvous), the pid,
+        the files this process's stderr and stdout go to (``os.pathsep``-separated), and
+        the id of the node Ray placed this actor on."""
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port, os.getpid()
+        node = ray.get_runtime_context().get_node_id()
+        return ray.util.get_node_ip_address(), port, os.getpid(), _log_files(), node
 
     def setup(self, info: RankInfo, env: dict[str, str], cls_payload: wire.Payload) -> wire.Payload:
         self.rank = info.rank
@@ -45,9 +50,13 @@ class _RankActor:
         self.host, outcome = WorkerHost.start(info, cls_with_init)
         return self._encode(outcome, "__init__")
 
-    def call(self, message: wire.Payload, *shared: wire.Payload) -> wire.Payload:
+    def call(
+        self, message: wire.Payload, *shared: wire.Payload, deadline: float | None = None
+    ) -> wire.Payload:
         """Run ``(target, args, kwargs)``; ``shared`` are the values several ranks received."""
         target = "?"
+        if _expired(deadline):
+            return _SKIPPED
         try:
             target, args, kwargs = wire.decode(message)
         except BaseException as exc:  # user objects may fail to unpickle
@@ -55,8 +64,14 @@ class _RankActor:
         return self._run(target, args, kwargs, shared)
 
     def _call_target(
-        self, target: str, message: wire.Payload | None, shared: tuple[wire.Payload, ...]
+        self,
+        target: str,
+        message: wire.Payload | None,
+        shared: tuple[wire.Payload, ...],
+        deadline: float | None,
     ) -> wire.Payload:
+        if _expired(deadline):
+            return _SKIPPED
         if message is None:
             return self._run(target, (), {}, ())
         try:
@@ -104,9 +119,54 @@ class _RankActor:
             )
             return wire.encode(Outcome(False, failure))
 
-    def close(self) -> None:
-        if self.host is not None:
-            self.host.close()
+    def stop(self) -> None:
+        """Stop gracefully: the worker's ``shutdown()`` hook, then a normal process exit.
+
+        ``exit_actor`` ends the process the way Python ends, so the worker's
+        ``atexit`` handlers run; the controller kills the actor if this does
+        not finish in time. A failing hook is reported in the worker's log.
+        """
+        host, self.host = self.host, None
+        if host is not None:
+            failure = host.close()
+            if failure is not None:
+                print(
+                    f"podium: rank {self.rank}: the worker's shutdown() failed:\n{failure.traceback}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        ray.actor.exit_actor()
+
+
+# What a call that starts past its deadline returns instead of running. Ray
+# (2.60) still runs a sync actor's queued call after ray.cancel once the
+# running one ends; the controller has already raised CallTimeoutError and
+# cancelled it, so nobody reads this value.
+_SKIPPED = wire.encode(
+    Outcome(False, RemoteFailure.capture(TimeoutError("skipped: past its deadline"), None, "?"))
+)
+
+
+def _expired(deadline: float | None) -> bool:
+    """Did the call's deadline (wall-clock time, ``time.time()``) pass before it started?"""
+    return deadline is not None and time.time() > deadline
+
+
+def _log_files() -> str:
+    """Where Ray sends this worker's stderr and stdout: the files behind fds 2 and 1.
+
+    Read from the process itself, so podium needs neither Ray's private node
+    object nor the dashboard-backed state API to show a dead rank's last lines.
+    """
+    paths = []
+    for fd in (2, 1):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # not Linux: no log tail
+            continue
+        if os.path.isfile(path):
+            paths.append(path)
+    return os.pathsep.join(paths)
 
 
 def method_name(target: str) -> str:
@@ -116,9 +176,12 @@ def method_name(target: str) -> str:
 
 def _target_method(target: str) -> Any:
     def run_target(
-        self: _RankActor, message: wire.Payload | None = None, *shared: wire.Payload
+        self: _RankActor,
+        message: wire.Payload | None = None,
+        *shared: wire.Payload,
+        deadline: float | None = None,
     ) -> wire.Payload:
-        return self._call_target(target, message, shared)
+        return self._call_target(target, message, shared, deadline)
 
     run_target.__name__ = method_name(target)
     return run_target

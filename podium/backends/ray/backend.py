@@ -11,40 +11,54 @@ Each actor takes ``1 / max_colocate_count`` of its bundle (CPUs and GPU), so
 as many groups as the pool allows share its slots, and Ray gives each rank its
 own ``CUDA_VISIBLE_DEVICES``. Actors are named ``{name_prefix}_{rank}`` in the
 backend's namespace, which is how ``WorkerGroup.attach`` finds them.
+
+A group stops gracefully (see :mod:`podium.backends.ray.group`): each rank runs
+its worker's ``shutdown()`` hook and exits normally, and is killed only after
+``stop_timeout``. A cluster that grows on demand (``autoscaling=True``) skips
+the "can this cluster ever hold the pool" check and waits ``placement_timeout``.
 """
 
 from __future__ import annotations
 
+import gc
 import os
-import re
 import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from podium.backends.ray import wire
+from podium.backends.ray import reaper, wire
 from podium.backends.ray.actor import actor_class
 from podium.backends.ray.futures import RayRankFuture, decode_outcome, died_error
-from podium.backends.ray.group import SHARE_BY_REF_BYTES, RayGroup
+from podium.backends.ray.group import SHARE_BY_REF_BYTES, RayGroup, finish_dropped_stops
 from podium.backends.ray.placement import (
     STRATEGIES,
     alive_nodes,
     check_feasible,
     demands_of,
+    ip_sort_key,
     reserve,
 )
 from podium.core.backend import Backend, BackendOption, Capabilities, GroupSpec
 from podium.core.resource import ResourcePool
 from podium.core.worker import ClassWithInitArgs, ColocatedWorker, RankInfo
 from podium.core.worker_group import registered_methods
-from podium.errors import CallTimeoutError, WorkerDiedError, WorkerStartupError
+from podium.errors import (
+    CallTimeoutError,
+    ResourceUnavailableError,
+    WorkerDiedError,
+    WorkerStartupError,
+)
 
 __all__ = ["RayBackend"]
 
 LOCAL_MIN_CPUS = 64
+LOCAL_GCS_RECONNECT_S = 5
+_GCS_RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
 
 
 class RayBackend(Backend):
@@ -93,10 +107,24 @@ class RayBackend(Backend):
             "seconds to wait for a busy cluster to free a pool's resources",
         ),
         BackendOption(
+            "autoscaling",
+            bool,
+            False,
+            "the cluster grows to fit pending work (Ray autoscaler): a pool larger than the nodes "
+            "running now waits up to placement_timeout for new nodes instead of failing at once",
+        ),
+        BackendOption(
             "startup_timeout",
             (int, float),
             300.0,
             "seconds for every rank's process and constructor to start",
+        ),
+        BackendOption(
+            "stop_timeout",
+            (int, float),
+            10.0,
+            "seconds a stopping group waits for each rank's shutdown() hook and exit before "
+            "killing it",
         ),
         BackendOption(
             "runtime_env",
@@ -119,7 +147,7 @@ class RayBackend(Backend):
             raise ValueError(
                 f"backend option placement_strategy must be one of {STRATEGIES}, got {cfg['placement_strategy']!r}"
             )
-        for key in ("cpus_per_worker", "placement_timeout", "startup_timeout"):
+        for key in ("cpus_per_worker", "placement_timeout", "startup_timeout", "stop_timeout"):
             if cfg[key] <= 0:
                 raise ValueError(f"backend option {key} must be > 0, got {cfg[key]!r}")
         self._started_ray = False
@@ -140,11 +168,33 @@ class RayBackend(Backend):
         )
         if self.config["num_gpus"] is not None:
             kwargs.setdefault("num_gpus", self.config["num_gpus"])
-        ray.init(**kwargs)
+        # Ray's agents (dashboard agent, runtime-env agent) of a local Ray outlive a
+        # killed controller until they give up reconnecting to its dead GCS, 60 s by
+        # default; nothing can reconnect to a Ray whose owner is gone, so they give up
+        # sooner, and a watcher kills what is left (see podium.backends.ray.reaper).
+        # Both are environment variables of the processes Ray starts, so they are set
+        # only while ray.init starts them.
+        env = {_GCS_RECONNECT_ENV: str(LOCAL_GCS_RECONNECT_S), **reaper.start_watcher()}
+        if _GCS_RECONNECT_ENV in os.environ:
+            del env[_GCS_RECONNECT_ENV]  # the user's own setting wins
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            # "local": a new instance, even where `ray start` left a cluster address on
+            # this host (Ray would connect to that one and refuse num_cpus).
+            ray.init(**{"address": "local", **kwargs})
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         self._started_ray = True
 
     def check_resources(self, pools: Sequence[ResourcePool]) -> None:
         self._connect()
+        if self.config["autoscaling"]:
+            return  # the nodes running now say nothing about the nodes the cluster may add
         check_feasible(
             demands_of(
                 pools, float(self.config["cpus_per_worker"]), self.config["placement_strategy"]
@@ -157,12 +207,7 @@ class RayBackend(Backend):
     def _start_group(self, spec: GroupSpec) -> RayGroup:
         self._connect()
         pool = spec.pool
-        places, release = reserve(
-            pool,
-            cpus_per_worker=float(self.config["cpus_per_worker"]),
-            strategy=self.config["placement_strategy"],
-            timeout=float(self.config["placement_timeout"]),
-        )
+        places, release = self._reserve(pool)
         deadline = time.monotonic() + float(self.config["startup_timeout"])
         actors: list[Any] = []
         names = [f"{spec.name_prefix}_{rank}" for rank in range(pool.world_size)]
@@ -201,10 +246,15 @@ class RayBackend(Backend):
             where = self._wait_start(
                 [a.where.remote() for a in actors], list(range(len(actors))), deadline
             )
-            ip, port, _ = where[0]
-            local_ranks = pool.local_rank_list()
-            local_sizes = pool.local_world_size_list()
-            node_ranks = [n for n, count in enumerate(pool.store) for _ in range(count)]
+            ip, port = where[0][0], where[0][1]
+            if self.config["placement_strategy"] == "STRICT_PACK":
+                # Each node entry is one placement group on one node: the layout is the truth.
+                local_ranks = pool.local_rank_list()
+                local_sizes = pool.local_world_size_list()
+                node_ranks = [n for n, count in enumerate(pool.store) for _ in range(count)]
+            else:
+                # PACK/SPREAD put a node entry's bundles where Ray finds room: ask each rank.
+                local_ranks, local_sizes, node_ranks = _actual_layout([(w[0], w[4]) for w in where])
             cls_payload: Any = wire.encode(spec.cls_with_init)
             if wire.payload_nbytes(cls_payload) > SHARE_BY_REF_BYTES:
                 cls_payload = ray.put(cls_payload)  # large constructor arguments: stored once
@@ -246,9 +296,35 @@ class RayBackend(Backend):
             release=release,
             pids=[w[2] for w in where],
             hosts=[w[0] for w in where],
+            log_paths=[w[3] for w in where],
+            nodes=[w[4] for w in where],
+            stop_timeout=float(self.config["stop_timeout"]),
         )
         self._groups.add(group)
         return group
+
+    def _reserve(self, pool: ResourcePool) -> tuple[list[Any], Any]:
+        """``reserve`` the pool's slots; a slot held by a group that was dropped but not yet
+        collected or stopped is freed first (collect garbage, wait for the stop), then retried."""
+
+        def attempt() -> tuple[list[Any], Any]:
+            return reserve(
+                pool,
+                cpus_per_worker=float(self.config["cpus_per_worker"]),
+                strategy=self.config["placement_strategy"],
+                timeout=float(self.config["placement_timeout"]),
+                autoscaling=bool(self.config["autoscaling"]),
+            )
+
+        finish_dropped_stops(float(self.config["stop_timeout"]) + 5.0)
+        try:
+            return attempt()
+        except ResourceUnavailableError as exc:
+            if "groups_on_slot" not in (exc.demand or {}):
+                raise
+        gc.collect()  # a dropped WorkerGroup in a reference cycle still holds its slot
+        finish_dropped_stops(float(self.config["stop_timeout"]) + 5.0)
+        return attempt()
 
     def _wait_start(self, refs: list[Any], ranks: list[int], deadline: float) -> list[Any]:
         """Raw results of start-up calls; a rank that cannot start is a WorkerStartupError."""
@@ -272,13 +348,17 @@ class RayBackend(Backend):
     def attach_group(self, name_prefix: str) -> RayGroup:
         self._connect()
         namespace = self.config["namespace"]
-        pattern = re.compile(re.escape(name_prefix) + r"_(\d+)")
-        ranks: dict[int, str] = {}
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            m = pattern.fullmatch(entry["name"])
-            if entry["namespace"] == namespace and m:
-                ranks[int(m.group(1))] = entry["name"]
-        if not ranks or sorted(ranks) != list(range(len(ranks))):
+        # Look the ranks' names up directly (rank 0, 1, ... until one is missing).
+        actors: list[Any] = []
+        names: list[str] = []
+        while True:
+            name = f"{name_prefix}_{len(actors)}"
+            try:
+                actors.append(ray.get_actor(name, namespace=namespace))
+            except ValueError:
+                break
+            names.append(name)
+        if not actors:
             prefixes = sorted(
                 {
                     e["name"].rsplit("_", 1)[0]
@@ -287,17 +367,20 @@ class RayBackend(Backend):
                 }
             )
             raise LookupError(
-                f"no complete running podium group named {name_prefix!r} in Ray namespace {namespace!r} "
-                f"(ranks found: {sorted(ranks)}). Running groups there: {prefixes or 'none'}. "
+                f"no running podium group named {name_prefix!r} in Ray namespace {namespace!r} "
+                f"(no worker {name_prefix}_0). Running groups there: {prefixes or 'none'}. "
                 "Pass the name_prefix the group was started with, and the same backend_options namespace."
             )
-        names = [ranks[r] for r in range(len(ranks))]
-        actors = [ray.get_actor(n, namespace=namespace) for n in names]
         where = ray.get(
             [a.where.remote() for a in actors], timeout=float(self.config["startup_timeout"])
         )
         return RayGroup(
-            actors, names, owner=False, pids=[w[2] for w in where], hosts=[w[0] for w in where]
+            actors,
+            names,
+            owner=False,
+            pids=[w[2] for w in where],
+            hosts=[w[0] for w in where],
+            log_paths=[w[3] for w in where],
         )
 
     def _shutdown(self) -> None:
@@ -305,23 +388,43 @@ class RayBackend(Backend):
             group.shutdown()
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
+            reaper.stop_watchers()
 
 
 def _gather_raw(futures: list[RayRankFuture], timeout: float) -> None:
-    """Wait for start-up calls; a rank whose actor died fails the wait at once."""
-    deadline = time.monotonic() + timeout
+    """Wait for start-up calls; a rank whose actor died fails the wait at once
+    (``ray.get`` raises as soon as one of the objects is an error)."""
     rank_of = {f.ref: f.rank for f in futures}
-    pending = list(rank_of)
-    while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise CallTimeoutError(futures[0].method, timeout, [rank_of[r] for r in pending])
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(0.2, left))
+    try:
+        ray.get(list(rank_of), timeout=timeout)
+    except GetTimeoutError:
+        ready, pending = ray.wait(list(rank_of), num_returns=len(rank_of), timeout=0)
+        raise CallTimeoutError(futures[0].method, timeout, [rank_of[r] for r in pending]) from None
+    except Exception:
+        ready, _ = ray.wait(list(rank_of), num_returns=len(rank_of), timeout=0)
         for ref in ready:
             try:
                 ray.get(ref)
             except Exception as exc:
                 raise died_error(rank_of[ref], exc) from None
+        raise
+
+
+def _actual_layout(nodes: list[tuple[str, str]]) -> tuple[list[int], list[int], list[int]]:
+    """LOCAL_RANK, LOCAL_WORLD_SIZE and node rank of each rank from the (ip, node id) it runs on.
+
+    Nodes are numbered by IP (node id breaks ties), as the pool's node entries
+    are; ranks on one node are numbered in rank order.
+    """
+    order = {
+        n: i for i, n in enumerate(sorted(set(nodes), key=lambda n: (ip_sort_key(n[0]), n[1])))
+    }
+    seen: dict[tuple[str, str], int] = {}
+    local_ranks = []
+    for node in nodes:
+        local_ranks.append(seen.get(node, 0))
+        seen[node] = local_ranks[-1] + 1
+    return local_ranks, [seen[n] for n in nodes], [order[n] for n in nodes]
 
 
 def _runtime_env(base: dict[str, Any] | None, worker_env: dict[str, str] | Any) -> dict[str, Any]:

@@ -6,27 +6,44 @@ controller or a worker -- so a ``DataProtoFuture`` moves data worker to worker.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
+from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, TaskCancelledError
 
 from podium.backends.ray import wire
 from podium.core.futures import RankFuture
-from podium.core.host import Outcome
-from podium.errors import CallTimeoutError, WorkerDiedError
+from podium.core.host import Outcome, RemoteFailure
+from podium.errors import CallTimeoutError, GroupShutdownError, PodiumError, WorkerDiedError
+
+if TYPE_CHECKING:
+    from podium.backends.ray.group import RayGroup
 
 __all__ = ["RayRankFuture", "died_error"]
 
-# How often a wait on several ranks looks for a rank that already failed while
-# others still run (a dead rank must not wait behind live ones blocked on it).
-_POLL_S = 0.2
+# A wait blocks in ray.get, which raises as soon as any awaited call fails (a
+# dead rank is reported at once, even while its peers are stuck waiting for
+# it). Ray cannot wake that wait when another thread shuts the group down, so
+# a wait on a group's calls returns every _SHUTDOWN_CHECK_S to look.
+_SHUTDOWN_CHECK_S = 0.5
+# Ray's errors that mean the call's process or result is gone (or Ray dropped it).
+_LOST = (RayActorError, ObjectLostError, TaskCancelledError)
+
+# What a timed-out call leaves behind on Ray (said in its CallTimeoutError).
+_CANCEL_NOTE = (
+    "podium cancelled the call (ray.cancel): ranks where it had not started yet never run it; "
+    "on ranks where it is already running Ray cannot interrupt it (an actor runs one call at a "
+    "time), so it runs to its end there, its result is discarded, and that rank's next call "
+    "waits for it. A long method can return early when "
+    "ray.get_runtime_context().is_canceled() becomes True. Ranks that may still run it: {ranks}."
+)
 
 
 def died_error(
@@ -54,15 +71,15 @@ class RayRankFuture(RankFuture):
         *,
         deadline: float | None = None,
         timeout: float | None = None,
-        on_died: Callable[[int, BaseException], WorkerDiedError] | None = None,
+        group: RayGroup | None = None,
     ) -> None:
         super().__init__(rank, method)
         self.ref = ref
         self._deadline = deadline
         self._timeout = timeout
-        # The group: it describes the death (log tail) and marks itself dead.
+        # The group says whether it was shut down and describes a death (log tail).
         # Weak, so a future does not keep a group alive.
-        self._on_died = weakref.WeakMethod(on_died) if on_died is not None else None
+        self._group = weakref.ref(group) if group is not None else None
         self._value: Any = _UNSET
 
     def __reduce__(self) -> Any:
@@ -80,6 +97,17 @@ class RayRankFuture(RankFuture):
     def result(self, timeout: float | None = None) -> Any:
         return self.gather([self], timeout)[0]
 
+    def cancel(self, error: PodiumError | None = None) -> None:
+        """Ask Ray to drop the call (see ``_CANCEL_NOTE``); later waits raise ``error``."""
+        if self._value is not _UNSET:
+            return
+        if error is not None:
+            self._value = _Failed(error)
+        try:
+            ray.cancel(self.ref, recursive=False)
+        except Exception:  # already finished, or Ray is going away
+            pass
+
     @classmethod
     def gather(cls, futures: Sequence[RankFuture], timeout: float | None = None) -> list[Any]:
         futs: list[RayRankFuture] = list(futures)  # type: ignore[arg-type]
@@ -87,23 +115,37 @@ class RayRankFuture(RankFuture):
             return []
         deadline, limit = _deadline_of(futs, timeout)
         todo = [f for f in futs if f._value is _UNSET]
-        if todo and not _fast_path(todo, deadline):
-            _slow_path(todo, deadline, limit)
+        if todo:
+            _wait(todo, deadline, limit)
         return [f._value.unwrap() for f in futs]
+
+    def _closed_group(self) -> RayGroup | None:
+        group = self._group() if self._group is not None else None
+        return group if group is not None and group.closed else None
 
     def _settle(self) -> None:
         if self._value is not _UNSET:
             return
         try:
             payload = ray.get(self.ref)
-        except (RayActorError, ObjectLostError) as exc:
-            callback = self._on_died() if self._on_died is not None else None
-            raise (
-                callback(self.rank, exc) if callback is not None else died_error(self.rank, exc)
-            ) from None
+        except _LOST as exc:
+            group = self._group() if self._group is not None else None
+            if group is not None:
+                raise group.lost(self.rank, self.method, exc) from None
+            raise died_error(self.rank, exc) from None
         except GetTimeoutError:  # pragma: no cover - only called on ready refs
             raise CallTimeoutError(self.method, 0.0, [self.rank]) from None
-        self._value = decode_outcome(payload)
+        self._value = _decode_result(payload, self.rank, self.method)
+
+
+class _Failed:
+    """A settled future whose wait raises ``error`` (a timed-out, cancelled call)."""
+
+    def __init__(self, error: PodiumError) -> None:
+        self.error = error
+
+    def unwrap(self) -> Any:
+        raise copy.copy(self.error)
 
 
 _OK_NONE = Outcome(True, None)
@@ -114,18 +156,6 @@ def decode_outcome(payload: Any) -> Outcome:
     return _OK_NONE if payload is None else wire.decode(payload)
 
 
-def _fast_path(todo: list[RayRankFuture], deadline: float | None) -> bool:
-    """One ``ray.get`` for calls that finish quickly and well (the common case)."""
-    left = _POLL_S if deadline is None else min(_POLL_S, max(0.0, deadline - time.monotonic()))
-    try:
-        payloads = ray.get([f.ref for f in todo], timeout=left)
-    except (GetTimeoutError, RayActorError, ObjectLostError):
-        return False  # still running, or failed: the slow path says which rank
-    for f, value in zip(todo, _decode_all(payloads)):
-        f._value = value
-    return True
-
-
 # Copying large results out of the object store is most of what the controller
 # does for a big DP call; numpy releases the GIL while copying, so several
 # ranks' results are copied on several cores at once.
@@ -134,9 +164,24 @@ _decoder: ThreadPoolExecutor | None = None
 _decoder_lock = threading.Lock()
 
 
-def _decode_all(payloads: list[Any]) -> list[Any]:
+def _decode_result(payload: Any, rank: int, method: str) -> Outcome:
+    """A rank's outcome; a return value that fails to unpickle here fails the call, with its
+    rank and method, as it would have in the worker (the group stays usable)."""
+    try:
+        return decode_outcome(payload)
+    except Exception as exc:
+        failure = RemoteFailure.capture(exc, rank, method)
+        failure.traceback += (
+            f"podium: the return value could not be unpickled at the controller "
+            f"(rank {rank}, method {method!r})\n"
+        )
+        return Outcome(False, failure)
+
+
+def _decode_all(futures: list[RayRankFuture], payloads: list[Any]) -> list[Outcome]:
+    args = [(p, f.rank, f.method) for f, p in zip(futures, payloads)]
     if len(payloads) < 2 or sum(wire.payload_nbytes(p) for p in payloads) < _PARALLEL_DECODE_BYTES:
-        return [decode_outcome(p) for p in payloads]
+        return [_decode_result(*a) for a in args]
     global _decoder
     with _decoder_lock:
         if _decoder is None:
@@ -144,22 +189,61 @@ def _decode_all(payloads: list[Any]) -> list[Any]:
                 max_workers=max(1, min(4, os.cpu_count() or 1)),
                 thread_name_prefix="podium-ray-decode",
             )
-    return list(_decoder.map(decode_outcome, payloads))
+    return list(_decoder.map(lambda a: _decode_result(*a), args))
 
 
-def _slow_path(todo: list[RayRankFuture], deadline: float | None, limit: float | None) -> None:
-    """Wait in short steps, settling finished ranks as they come, so a dead rank is
-    reported at once even while its peers are stuck waiting for it (a collective)."""
-    by_ref = {f.ref: f for f in todo}
-    pending = list(by_ref)
+def _wait(todo: list[RayRankFuture], deadline: float | None, limit: float | None) -> None:
+    """Settle ``todo``: one ``ray.get`` for calls that finish well (the common case).
+
+    ``ray.get`` raises as soon as any call's object is an error, so a rank that
+    died is reported at once; the ranks that finished are settled then, and
+    the first failure raises. Past the deadline the calls are cancelled.
+    """
+    pending = todo
     while pending:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
-            raise CallTimeoutError(todo[0].method, limit or 0.0, [by_ref[r].rank for r in pending])
-        wait_s = _POLL_S if left is None else min(_POLL_S, left)
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=wait_s)
-        for ref in ready:
-            by_ref[ref]._settle()
+            raise _timed_out(pending, limit or 0.0)
+        for f in pending:
+            group = f._closed_group()
+            if group is not None:
+                ranks = sorted({p.rank for p in pending if p._closed_group() is group})
+                raise GroupShutdownError(group.name, method=f.method, ranks=ranks)
+        has_group = any(f._group is not None for f in pending)
+        wait_s = left
+        if has_group:
+            wait_s = _SHUTDOWN_CHECK_S if left is None else min(_SHUTDOWN_CHECK_S, left)
+        try:
+            payloads = ray.get([f.ref for f in pending], timeout=wait_s)
+        except GetTimeoutError:
+            continue
+        except _LOST:
+            refs = [f.ref for f in pending]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+            if not ready:  # the failed object is not visible to wait yet
+                ready, _ = ray.wait(refs, num_returns=1, timeout=wait_s, fetch_local=False)
+            done = set(ready)
+            for f in pending:
+                if f.ref in done:
+                    f._settle()  # the failed one raises
+            pending = [f for f in pending if f._value is _UNSET]
+            continue
+        for f, value in zip(pending, _decode_all(pending, payloads)):
+            f._value = value
+        return
+
+
+def _timed_out(pending: list[RayRankFuture], limit: float) -> CallTimeoutError:
+    """The error for calls still pending at the deadline; calls past their own deadline are cancelled."""
+    ranks = sorted({f.rank for f in pending})
+    error = CallTimeoutError(pending[0].method, limit, ranks)
+    now = time.monotonic()
+    expired = [f for f in pending if f._deadline is not None and f._deadline <= now]
+    if expired:
+        error.args = (f"{error} " + _CANCEL_NOTE.format(ranks=sorted({f.rank for f in expired})),)
+        for f in expired:
+            f.cancel(error)
+    return error
 
 
 def _deadline_of(

@@ -1,23 +1,45 @@
-"""One running group on Ray: an actor per rank, and how calls reach them."""
+"""One running group on Ray: an actor per rank, how calls reach them, and how they stop.
+
+Stopping (``shutdown()``, the group dropped without one, or the controller
+exiting) is the same sequence every time:
+
+1. calls still queued or running are cancelled (``ray.cancel``): Ray drops the
+   queued ones; one already running on a rank runs to its end (Ray cannot
+   interrupt a sync actor's call) and its result is discarded; their callers
+   get :class:`podium.errors.GroupShutdownError` at once;
+2. every rank runs its worker's ``shutdown()`` hook and exits its process
+   normally (``ray.actor.exit_actor``), so ``atexit`` handlers run;
+3. after ``stop_timeout`` seconds at most, ranks still alive are killed
+   (``ray.kill``), then the group's share of the placement groups is released.
+
+A group dropped without ``shutdown()`` is stopped on a background thread when
+it is garbage collected (a finalizer holds only the actors and the release,
+never the group); groups still alive when the controller exits are stopped
+before Ray itself shuts down.
+"""
 
 from __future__ import annotations
 
+import atexit
 import copy
-import glob
 import os
+import sys
+import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from itertools import chain
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from podium.backends.ray import wire
 from podium.backends.ray.actor import method_name
 from podium.backends.ray.futures import RayRankFuture, died_error
 from podium.core.backend import BackendGroup, RankCall
 from podium.core.futures import RankFuture
-from podium.errors import WorkerDiedError
+from podium.errors import GroupShutdownError, PodiumError, WorkerDiedError
 
 __all__ = ["RayGroup"]
 
@@ -44,16 +66,37 @@ class RayGroup(BackendGroup):
         release: Callable[[], None] | None = None,
         pids: list[int] | None = None,
         hosts: list[str] | None = None,
+        log_paths: list[str] | None = None,
+        nodes: list[str] | None = None,
+        stop_timeout: float = 10.0,
     ) -> None:
         self._actors = actors
         self.world_size = len(actors)
         self.worker_names = list(worker_names)
+        self.name = worker_names[0].rsplit("_", 1)[0] if worker_names else "?"
         self._owner = owner
         self._release = release
         self._dead: WorkerDiedError | None = None
         self._methods: dict[tuple[int, str], Any] = {}
         self.pids = list(pids or [])
         self.hosts = list(hosts or [])
+        self.log_paths = list(log_paths or [])
+        self.closed = False
+        self.stop_timeout = stop_timeout
+        # Futures of calls not known to be finished, to cancel when the group stops.
+        self._inflight: weakref.WeakSet[RayRankFuture] = weakref.WeakSet()
+        # Holds no reference to the group, so a dropped group is collected and stopped.
+        self._finalizer = weakref.finalize(
+            self,
+            _stop_in_background,
+            list(actors) if owner else [],
+            list(zip(nodes or [], pids or [])) if owner else [],
+            self._inflight,
+            release,
+            stop_timeout,
+        )
+        self._finalizer.atexit = False  # the controller's exit stops live groups itself
+        _live.add(self)
 
     @property
     def actors(self) -> list[Any]:
@@ -62,8 +105,8 @@ class RayGroup(BackendGroup):
     def submit(
         self, target: str, calls: Sequence[RankCall], *, timeout: float | None = None
     ) -> list[RankFuture]:
-        if getattr(self, "_podium_closed", False):
-            raise RuntimeError(f"this Ray worker group ({self.worker_names[:1]}...) was shut down")
+        if self.closed:
+            raise GroupShutdownError(self.name, method=target)
         if self._dead is not None:
             raise copy.copy(self._dead)
         for call in calls:
@@ -74,6 +117,9 @@ class RayGroup(BackendGroup):
         deadline = None if timeout is None else time.monotonic() + timeout
         shared = self._share(calls)
         entries = [entry for _, entry in sorted(shared.values(), key=lambda t: t[0])]
+        # A call with a deadline carries it (wall-clock): a rank skips the call if it
+        # starts too late, i.e. it was queued behind a call that timed out.
+        late = {} if timeout is None else {"deadline": time.time() + timeout}
         futures: list[RankFuture] = []
         for call in calls:
             used: list[int] = []  # indices into `entries` this call needs, in placeholder order
@@ -83,10 +129,11 @@ class RayGroup(BackendGroup):
             extra = [entries[k] for k in used]
             if method is None:
                 ref = self._actors[call.rank].call.remote(
-                    wire.encode((target, args, kwargs)), *extra
+                    wire.encode((target, args, kwargs)), *extra, **late
                 )
-            elif args or kwargs:
-                ref = method.remote(wire.encode((args, kwargs)), *extra)
+            elif args or kwargs or late:
+                message = wire.encode((args, kwargs)) if args or kwargs else None
+                ref = method.remote(message, *extra, **late)
             else:
                 ref = method.remote()
             futures.append(
@@ -96,9 +143,10 @@ class RayGroup(BackendGroup):
                     target,
                     deadline=deadline,
                     timeout=timeout,
-                    on_died=self._died,
+                    group=self,
                 )
             )
+        self._inflight.update(futures)  # type: ignore[arg-type]
         return futures
 
     def _method(self, rank: int, target: str) -> Any:
@@ -139,27 +187,26 @@ class RayGroup(BackendGroup):
             shared[key] = (len(shared), entry)
         return shared
 
-    def _died(self, rank: int, exc: BaseException) -> WorkerDiedError:
-        """The error for ``rank``'s death (with its log tail); the group is unusable from now on."""
+    def lost(self, rank: int, method: str, exc: BaseException) -> PodiumError:
+        """The error for a call whose rank is gone: cut short by shutdown, or the rank died.
+
+        A death makes the group unusable from now on; its error carries the rank's log tail.
+        """
+        if self.closed:
+            return GroupShutdownError(self.name, method=method, ranks=[rank])
         pid = self.pids[rank] if rank < len(self.pids) else None
-        local = rank < len(self.hosts) and self.hosts[rank] == ray.util.get_node_ip_address()
-        err = died_error(rank, exc, pid=pid, log_tail=worker_log_tail(pid) if local else "")
+        path = self.log_paths[rank] if rank < len(self.log_paths) else ""
+        err = died_error(rank, exc, pid=pid, log_tail=worker_log_tail(path))
         if self._dead is None:
             self._dead = err
         return err
 
     def _shutdown(self) -> None:
-        if self._owner:
-            for actor in self._actors:
-                try:
-                    ray.kill(actor, no_restart=True)
-                except Exception:  # already dead, or Ray is gone
-                    pass
-        if self._release is not None:
-            try:
-                self._release()
-            except Exception:  # Ray is gone: its placement groups went with it
-                pass
+        self.closed = True
+        _live.discard(self)
+        state = self._finalizer.detach()
+        if state is not None:
+            _stop(*state[2])
         self._actors = []
         self._methods.clear()
 
@@ -175,27 +222,169 @@ def _swap(value: Any, shared: dict[int, tuple[int, Any]], used: list[int]) -> An
     return wire.Shared(used.index(key))
 
 
-def worker_log_tail(pid: int | None, lines: int = 20) -> str:
-    """The last lines of a worker's stderr/stdout logs, when they are on this host (else "")."""
-    if pid is None:
-        return ""
-    try:
-        node = ray._private.worker._global_node
-        log_dir = node.get_logs_dir_path() if node is not None else None
-    except Exception:  # Ray internals moved: the log tail is a convenience
-        return ""
-    if not log_dir:
-        return ""
+def _pids_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        except OSError:  # exists, owned by someone else
+            pass
+        alive.append(pid)
+    return alive
+
+
+def _wait_pids(pids: list[int], timeout: float) -> list[int]:
+    """Wait until the processes ``pids`` (on this host) are gone; those still alive."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pids = _pids_alive(pids)
+        if not pids or time.monotonic() >= deadline:
+            return pids
+        time.sleep(0.02)
+
+
+_wait_pids_remote = ray.remote(num_cpus=0, max_retries=0)(_wait_pids)
+
+
+def _wait_exit(procs: list[tuple[str, int]], timeout: float) -> None:
+    """Wait (up to ``timeout``) for the rank processes ``(node id, pid)`` to end: on this
+    node directly, on others with a small task placed on each of those nodes."""
+    here = ray.get_runtime_context().get_node_id()
+    by_node: dict[str, list[int]] = {}
+    for node, pid in procs:
+        by_node.setdefault(node, []).append(pid)
+    remote = []
+    for node, pids in by_node.items():
+        if node != here and node:
+            try:
+                strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+                remote.append(
+                    _wait_pids_remote.options(scheduling_strategy=strategy).remote(pids, timeout)
+                )
+            except Exception:  # the node is gone: so are its processes
+                pass
+    _wait_pids(by_node.get(here, []), timeout)
+    if remote:
+        try:
+            ray.wait(remote, num_returns=len(remote), timeout=timeout + 5, fetch_local=False)
+        except Exception:
+            pass
+
+
+def _stop(
+    actors: list[Any],
+    procs: list[tuple[str, int]],
+    inflight: weakref.WeakSet[RayRankFuture],
+    release: Callable[[], None] | None,
+    timeout: float,
+) -> None:
+    """Cancel the calls in flight, stop every actor gracefully, kill what is left, release."""
+    if ray.is_initialized():
+        for future in list(inflight):
+            future.cancel()
+        stops = []
+        for actor in actors:
+            try:
+                stops.append(actor.stop.remote())
+            except Exception:  # already dead, or Ray is going away
+                pass
+        deadline = time.monotonic() + timeout
+        if stops:
+            try:
+                # A stop "fails" with the actor's intentional exit: only the wait matters.
+                ray.wait(stops, num_returns=len(stops), timeout=timeout, fetch_local=False)
+            except Exception:
+                pass
+        # A stop answers (Ray marks the actor dead) before the process has run its
+        # atexit handlers and exited: wait for the processes themselves, so that the
+        # next group on these slots does not meet them (GPU memory, ports).
+        _wait_exit(procs, max(0.0, deadline - time.monotonic()))
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+    if release is not None:
+        try:
+            release()
+        except Exception:  # Ray is gone: its placement groups went with it
+            pass
+
+
+# Groups not shut down yet, and the stops of dropped groups still running.
+_live: weakref.WeakSet[RayGroup] = weakref.WeakSet()
+_stopping: set[threading.Thread] = set()
+_stopping_lock = threading.Lock()
+
+
+def _stop_in_background(
+    actors: list[Any],
+    procs: list[tuple[str, int]],
+    inflight: weakref.WeakSet[RayRankFuture],
+    release: Callable[[], None] | None,
+    timeout: float,
+) -> None:
+    """Stop a group that was garbage collected, without blocking (or deadlocking) the collector."""
+
+    def run() -> None:
+        try:
+            _stop(actors, procs, inflight, release, timeout)
+        except Exception as exc:  # never raise on a background thread
+            print(f"podium: stopping a dropped Ray worker group failed: {exc!r}", file=sys.stderr)
+        finally:
+            with _stopping_lock:
+                _stopping.discard(thread)
+
+    thread = threading.Thread(target=run, name="podium-ray-stop", daemon=True)
+    with _stopping_lock:
+        _stopping.add(thread)
+    thread.start()
+
+
+def finish_dropped_stops(timeout: float) -> None:
+    """Wait (up to ``timeout``) for the stops of dropped groups, so their slots are free."""
+    deadline = time.monotonic() + timeout
+    with _stopping_lock:
+        threads = list(_stopping)
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    """The controller exits: stop its live groups (and finish dropped ones') before Ray shuts down."""
+
+    def stop(group: RayGroup) -> None:
+        try:
+            group.shutdown()
+        except Exception:  # exiting: stop what can be stopped
+            pass
+
+    # All at once: each waits for its ranks' hooks and exits.
+    stoppers = [threading.Thread(target=stop, args=(g,), daemon=True) for g in list(_live)]
+    for thread in stoppers:
+        thread.start()
+    for thread in stoppers:
+        thread.join(timeout=60)
+    with _stopping_lock:
+        threads = list(_stopping)
+    for thread in threads:
+        thread.join(timeout=30)
+
+
+def worker_log_tail(paths: str, lines: int = 20) -> str:
+    """The last lines of a worker's log files (``paths``: its stderr and stdout files,
+    separated by ``os.pathsep``), when they are readable from here (else "")."""
     out = []
-    for path in sorted(glob.glob(os.path.join(log_dir, f"worker-*-{pid}.err"))) + sorted(
-        glob.glob(os.path.join(log_dir, f"worker-*-{pid}.out"))
-    ):
+    for path in [p for p in paths.split(os.pathsep) if p]:
         try:
             with open(path, errors="replace") as f:
                 # Ray's own marker lines (":job_id:...", ":actor_name:...") say nothing here.
                 text = [ln.rstrip() for ln in f if ln.strip() and not ln.startswith(":")]
             tail = text[-lines:]
-        except OSError:
+        except OSError:  # on another host, or gone
             continue
         if tail:
             out.append(f"[{os.path.basename(path)}]\n" + "\n".join(tail))

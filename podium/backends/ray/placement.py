@@ -194,7 +194,7 @@ def check_feasible(demands: Sequence[PGDemand], nodes: Sequence[NodeSupply]) -> 
     )
 
 
-def _ip_key(ip: str) -> tuple[int, Any]:
+def ip_sort_key(ip: str) -> tuple[int, Any]:
     try:
         return (0, ipaddress.ip_address(ip))
     except ValueError:
@@ -203,13 +203,20 @@ def _ip_key(ip: str) -> tuple[int, Any]:
 
 @dataclass
 class PoolPlacement:
-    """The placement groups of one root pool (node entry order), and who uses their bundles."""
+    """The placement groups of one root pool (node entry order), and who uses their bundles.
+
+    Created in two steps so that nobody holds the module lock while Ray places
+    the groups: ``_begin`` asks Ray for them (under the lock), ``_finish``
+    waits for them and sets ``ready`` (outside it); others wait on ``ready``.
+    """
 
     pgs: list[Any]
     ips: list[str]
     node_ids: list[str]
     job: str
     users: dict[tuple[int, int], int] = field(default_factory=dict)
+    ready: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
 
     def remove(self) -> None:
         for pg in self.pgs:
@@ -230,11 +237,16 @@ class RankPlace:
     node_id: str
 
 
-def _create(
-    root: ResourcePool, cpus_per_worker: float, strategy: str, timeout: float, job: str
+def _begin(
+    root: ResourcePool, cpus_per_worker: float, strategy: str, job: str, autoscaling: bool
 ) -> PoolPlacement:
+    """Check the root pool fits the cluster and ask Ray for its placement groups (no waiting).
+
+    An autoscaling cluster is not checked: it may add the nodes the pool needs.
+    """
     demands = demands_of([root], cpus_per_worker, strategy)
-    check_feasible(demands, alive_nodes())
+    if not autoscaling:
+        check_feasible(demands, alive_nodes())
     pgs = [
         placement_group(
             [dict(d.bundle) for _ in range(d.count)],
@@ -243,19 +255,31 @@ def _create(
         )
         for d in demands
     ]
+    return PoolPlacement(pgs, [], [], job)
+
+
+def _finish(
+    placement: PoolPlacement,
+    root: ResourcePool,
+    cpus_per_worker: float,
+    strategy: str,
+    timeout: float,
+) -> None:
+    """Wait for ``placement``'s groups; order them by node IP. Raises (removing them) past ``timeout``."""
+    pgs = placement.pgs
     ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=timeout)
     if len(ready) < len(pgs):
-        for pg in pgs:
-            remove_placement_group(pg)
+        demands = demands_of([root], cpus_per_worker, strategy)
         avail = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
         demand = {
             "placement_groups": [d.describe() for d in demands],
             "total": _sum([d.total() for d in demands]),
         }
         raise ResourceUnavailableError(
-            f"pool {root.name_prefix!r} fits the Ray cluster but could not be placed within "
-            f"{timeout:g} s: other work holds the resources. Demand: {demand}. Available now: {avail}. "
-            "Shut down groups you no longer need, or wait longer with backend_options placement_timeout=SECONDS.",
+            f"pool {root.name_prefix!r} could not be placed within {timeout:g} s: other work holds "
+            "the resources (or an autoscaling cluster did not add the nodes it needs in time). "
+            f"Demand: {demand}. Available now: {avail}. Shut down groups you no longer need, or "
+            "wait longer with backend_options placement_timeout=SECONDS.",
             demand=demand,
             supply={"available": avail},
         )
@@ -263,15 +287,20 @@ def _create(
     placed = []
     for i, pg in enumerate(pgs):
         node_id = placement_group_table(pg)["bundles_to_node_id"][0]
-        placed.append((_ip_key(ip_of.get(node_id, "")), node_id, i, pg, ip_of.get(node_id, "")))
+        placed.append((ip_sort_key(ip_of.get(node_id, "")), node_id, i, pg, ip_of.get(node_id, "")))
     placed.sort(key=lambda t: (t[0], t[1], t[2]))
-    return PoolPlacement(
-        [p[3] for p in placed], [p[4] for p in placed], [p[1] for p in placed], job
-    )
+    placement.pgs = [p[3] for p in placed]
+    placement.ips = [p[4] for p in placed]
+    placement.node_ids = [p[1] for p in placed]
 
 
 def reserve(
-    pool: ResourcePool, *, cpus_per_worker: float, strategy: str, timeout: float
+    pool: ResourcePool,
+    *,
+    cpus_per_worker: float,
+    strategy: str,
+    timeout: float,
+    autoscaling: bool = False,
 ) -> tuple[list[RankPlace], Any]:
     """Places for every rank of ``pool`` and a ``release()`` to call when the group is gone.
 
@@ -279,49 +308,96 @@ def reserve(
     hanging) a group that would put more than ``max_colocate_count`` groups on a slot.
     """
     job = ray.get_runtime_context().get_job_id()
-    with _lock:
-        placements: dict[int, PoolPlacement] = {}
-        created: list[PoolPlacement] = []
-        try:
+    while True:
+        with _lock:
+            placements: dict[int, PoolPlacement] = {}
+            roots: dict[int, ResourcePool] = {}
+            mine: list[PoolPlacement] = []
             for slot in pool.slots:
                 if slot.root.uid in placements:
                     continue
                 state = slot.root.backend_state("ray")
-                placement = state.get("placement")
+                placement: PoolPlacement | None = state.get("placement")
                 if placement is None or placement.job != job or not placement.pgs:
-                    placement = _create(slot.root, cpus_per_worker, strategy, timeout, job)
+                    try:
+                        placement = _begin(slot.root, cpus_per_worker, strategy, job, autoscaling)
+                    except BaseException as exc:
+                        _abandon(mine, roots, exc)
+                        raise
                     state["placement"] = placement
-                    created.append(placement)
+                    mine.append(placement)
                 placements[slot.root.uid] = placement
-            for slot in pool.slots:
-                used = placements[slot.root.uid].users.get((slot.node, slot.local), 0)
-                if used >= pool.max_colocate_count:
-                    raise ResourceUnavailableError(
-                        f"slot (node {slot.node}, index {slot.local}) of pool {slot.root.name_prefix!r} "
-                        f"already hosts {used} group(s) and the pool's max_colocate_count is "
-                        f"{pool.max_colocate_count}. Shut a group down first, or build the pool with a "
-                        "larger max_colocate_count.",
-                        demand={"groups_on_slot": used + 1},
-                        supply={"max_colocate_count": pool.max_colocate_count},
-                    )
-        except BaseException:
-            for placement in created:
-                placement.remove()
-            raise
-        places = []
-        for slot in pool.slots:
-            placement = placements[slot.root.uid]
-            key = (slot.node, slot.local)
-            placement.users[key] = placement.users.get(key, 0) + 1
-            places.append(
-                RankPlace(
-                    placement.pgs[slot.node],
-                    slot.local,
-                    placement.ips[slot.node],
-                    placement.node_ids[slot.node],
+                roots[slot.root.uid] = slot.root
+            if not mine and all(p.ready.is_set() for p in placements.values()):
+                return _claim(pool, placements), _releaser(pool, placements)
+        # Wait for Ray to place the groups without holding the lock, so other threads
+        # can start and stop groups meanwhile; then look again under the lock.
+        for uid, placed in placements.items():
+            if placed in mine:
+                try:
+                    _finish(placed, roots[uid], cpus_per_worker, strategy, timeout)
+                except BaseException as exc:
+                    with _lock:
+                        _abandon([p for p in mine if not p.ready.is_set()], roots, exc)
+                    raise
+                placed.ready.set()
+            elif not placed.ready.wait(timeout) or placed.error is not None:
+                if placed.error is not None:
+                    raise placed.error
+                raise ResourceUnavailableError(
+                    f"pool {roots[uid].name_prefix!r} is still being placed by another thread after "
+                    f"{timeout:g} s. Wait longer with backend_options placement_timeout=SECONDS.",
                 )
-            )
 
+
+def _abandon(
+    placements: list[PoolPlacement], roots: dict[int, ResourcePool], exc: BaseException
+) -> None:
+    """Placements this thread began and cannot finish: remove them, fail their waiters (under the lock)."""
+    for root in roots.values():
+        state = root.backend_state("ray")
+        if state.get("placement") in placements:
+            del state["placement"]
+    for placement in placements:
+        placement.remove()
+        placement.error = exc
+        placement.ready.set()
+
+
+def _claim(pool: ResourcePool, placements: dict[int, PoolPlacement]) -> list[RankPlace]:
+    """Count ``pool``'s group as a user of its slots (under the lock); its places, rank by rank.
+
+    Refuses (instead of hanging) a group that would put more than
+    ``max_colocate_count`` groups on a slot.
+    """
+    for slot in pool.slots:
+        used = placements[slot.root.uid].users.get((slot.node, slot.local), 0)
+        if used >= pool.max_colocate_count:
+            raise ResourceUnavailableError(
+                f"slot (node {slot.node}, index {slot.local}) of pool {slot.root.name_prefix!r} "
+                f"already hosts {used} group(s) and the pool's max_colocate_count is "
+                f"{pool.max_colocate_count}. Shut a group down first, or build the pool with a "
+                "larger max_colocate_count.",
+                demand={"groups_on_slot": used + 1},
+                supply={"max_colocate_count": pool.max_colocate_count},
+            )
+    places = []
+    for slot in pool.slots:
+        placement = placements[slot.root.uid]
+        key = (slot.node, slot.local)
+        placement.users[key] = placement.users.get(key, 0) + 1
+        places.append(
+            RankPlace(
+                placement.pgs[slot.node],
+                slot.local,
+                placement.ips[slot.node],
+                placement.node_ids[slot.node],
+            )
+        )
+    return places
+
+
+def _releaser(pool: ResourcePool, placements: dict[int, PoolPlacement]) -> Any:
     released = False
 
     def release() -> None:
@@ -340,4 +416,4 @@ def reserve(
                 if not placement.users:
                     placement.remove()
 
-    return places, release
+    return release
