@@ -62,6 +62,102 @@ def _record_pad(pad: int) -> None:
         state.pad = pad
 
 
+# -- padding a future's shards in the worker ----------------------------------
+#
+# A DataProtoFuture passed into a DP call on a backend with
+# ``worker_to_worker_futures`` is not resolved at the controller, so its length
+# (and the padding it needs) is unknown when dispatch splits it. Dispatch then
+# sends each rank a lazy pick (:class:`PaddedChunkPick`); the rank resolves the
+# future itself, pads exactly as the controller would have (same rows as
+# ``pad_dataproto_to_divisor``, only with ``auto_padding``), and its host returns
+# the pad count with the result (:class:`PaddedResult`). The collect of the call,
+# blocking or not, removes that many rows (:func:`strip_pads`). The data still
+# moves worker to worker; the controller never holds it.
+
+_worker_pads: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "podium_worker_pads", default=None
+)
+
+
+@dataclass
+class PaddedResult:
+    """One rank's return value of a call whose data a :class:`PaddedChunkPick` padded by ``pad`` rows."""
+
+    value: Any
+    pad: int
+
+
+def start_worker_pads() -> contextvars.Token[list[int] | None]:
+    """Start recording the rows that picks pad during one call in a worker."""
+    return _worker_pads.set([])
+
+
+def finish_worker_pads(token: contextvars.Token[list[int] | None]) -> int:
+    """Stop recording; the rows padded into every padded shard of the call (0: none)."""
+    pads = _worker_pads.get() or []
+    _worker_pads.reset(token)
+    return pads[0] if pads else 0
+
+
+def strip_pads(outputs: Sequence[Any]) -> tuple[list[Any], int]:
+    """``(values, pad)``: the ranks' values without :class:`PaddedResult` wrappers, and the rows padded."""
+    pad = max((o.pad for o in outputs if isinstance(o, PaddedResult)), default=0)
+    return [o.value if isinstance(o, PaddedResult) else o for o in outputs], pad
+
+
+class PaddedChunkPick:
+    """Shard ``index`` of ``chunks`` of a resolved future, padded in the worker when allowed.
+
+    ``before`` is the future's own pick (when it is itself a shard), applied
+    first. A batch that does not divide is padded when it has ``auto_padding``
+    and ``pad`` is true, and the pad count is recorded for the rank's result;
+    otherwise it fails with the same :class:`DispatchError` the controller gives.
+    """
+
+    def __init__(
+        self, index: int, chunks: int, before: Callable[[Any], Any] | None, mode: str, pad: bool
+    ) -> None:
+        self.index = index
+        self.chunks = chunks
+        self.before = before
+        self.mode = mode
+        self.pad = pad
+
+    def __call__(self, data: Any) -> Any:
+        if self.before is not None:
+            data = self.before(data)
+        n = _length(data)
+        pad = -n % self.chunks if n is not None else 0
+        if pad:
+            if not _auto_padding(data):
+                raise DispatchError(_not_divisible(self.mode, n or 0, self.chunks))
+            if not self.pad:
+                raise DispatchError(
+                    f"{self.mode}: batch size {n} does not divide by the DP size {self.chunks} and this "
+                    "mode never pads; resolve the future first (podium.get(future)) so that it can be "
+                    "split into shards of unequal size"
+                )
+            data = _pad(data, self.chunks)
+            pads = _worker_pads.get()
+            if pads is not None:
+                if pads and pads[0] != pad:
+                    raise DispatchError(
+                        f"{self.mode}: the data arguments have different batch sizes (they need "
+                        f"{pads[0]} and {pad} rows of padding); they must match"
+                    )
+                pads.append(pad)
+        return _chunk(data, self.chunks)[self.index]
+
+
+def _not_divisible(mode: str, n: int, shards: int) -> str:
+    return (
+        f"{mode}: batch size {n} does not divide by the DP size {shards}. Make the batch "
+        f"a multiple of {shards}, or enable padding with DataProto.from_dict(..., "
+        "auto_padding=True) (or data.auto_padding = True): rows are padded for the call "
+        "and removed from the result."
+    )
+
+
 # -- data helpers --------------------------------------------------------------
 
 
@@ -131,9 +227,19 @@ def _data_args(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
 
 
 def _shard(
-    wg: WorkerGroup, shards: int, args: tuple[Any, ...], kwargs: dict[str, Any], mode: str
+    wg: WorkerGroup,
+    shards: int,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    mode: str,
+    pad_futures: bool = True,
 ) -> tuple[list[list[Any]], dict[str, list[Any]]]:
-    """Split every data argument into ``shards`` pieces, padding if allowed."""
+    """Split every data argument into ``shards`` pieces, padding if allowed.
+
+    An unresolved :class:`DataProtoFuture` is split lazily into
+    :class:`PaddedChunkPick` shards that pad in the worker (unless
+    ``pad_futures`` is false); the collect removes what they padded.
+    """
     data = _data_args(args, kwargs)
     if not data:
         raise DispatchError(
@@ -148,19 +254,24 @@ def _shard(
         (n,) = lengths
         if n % shards:
             if not any(_auto_padding(d) for d in data):
-                raise DispatchError(
-                    f"{mode}: batch size {n} does not divide by the DP size {shards}. Make the batch "
-                    f"a multiple of {shards}, or enable padding with DataProto.from_dict(..., "
-                    "auto_padding=True) (or data.auto_padding = True): rows are padded for the call "
-                    "and removed from the result."
-                )
+                raise DispatchError(_not_divisible(mode, n, shards))
             pad = -n % shards
             _record_pad(pad)
 
     def split(x: Any) -> Any:
         if not is_data(x):
             return [x] * shards
-        if pad and not isinstance(x, DataProtoFuture):
+        if isinstance(x, DataProtoFuture):
+            # Its length is known only once resolved, in the worker: pad there.
+            return [
+                DataProtoFuture(
+                    x.collect_fn,
+                    x.futures,
+                    PaddedChunkPick(i, shards, x.dispatch_fn, mode, pad_futures),
+                )
+                for i in range(shards)
+            ]
+        if pad:
             x = _pad(x, shards)
         return _chunk(x, shards)
 
@@ -237,7 +348,7 @@ def dispatch_dp_compute_metric(
             sizes = [size // n + (1 if i < size % n else 0) for i in range(n)]
             split = lambda x: _split_sizes(x, sizes) if is_data(x) else [x] * n  # noqa: E731
             return tuple(split(a) for a in args), {k: split(v) for k, v in kwargs.items()}
-    split_args, split_kwargs = _shard(wg, n, args, kwargs, "DP_COMPUTE_METRIC")
+    split_args, split_kwargs = _shard(wg, n, args, kwargs, "DP_COMPUTE_METRIC", pad_futures=False)
     return tuple(split_args), split_kwargs
 
 
@@ -327,8 +438,9 @@ class PortableCollect:
         self.pad = pad
 
     def __call__(self, outputs: list[Any]) -> Any:
+        outputs, worker_pad = strip_pads(outputs)
         picked = outputs if self.ranks is None else [outputs[r] for r in self.ranks]
-        return unpad(concat_data(picked), self.pad)
+        return unpad(concat_data(picked), self.pad or worker_pad)
 
 
 class BoundCollect:
@@ -340,4 +452,5 @@ class BoundCollect:
         self.pad = pad
 
     def __call__(self, outputs: list[Any]) -> Any:
-        return unpad(self.collect_fn(self.wg, outputs), self.pad)
+        outputs, worker_pad = strip_pads(outputs)
+        return unpad(self.collect_fn(self.wg, outputs), self.pad or worker_pad)

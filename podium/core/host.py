@@ -19,6 +19,7 @@ from typing import Any
 import cloudpickle
 
 from podium.core.decorator import get_method_spec
+from podium.core.dispatch import PaddedResult, finish_worker_pads, start_worker_pads
 from podium.core.futures import DataProtoFuture
 from podium.core.worker import ClassWithInitArgs, ColocatedWorker, RankInfo, _constructing_rank
 from podium.errors import RemoteError, exception_parts, make_remote_error, rebuild_exception
@@ -160,19 +161,25 @@ class WorkerHost:
         try:
             method = self._resolve(target)
             spec = get_method_spec(method)
-            if spec is None or spec.materialize_futures:
-                args = tuple(_materialize(a) for a in args)
-                kwargs = {k: _materialize(v) for k, v in kwargs.items()}
-            # A Worker built inside a method (a sub-worker, as verl builds in
-            # init_model) gets this rank, not the environment's (none inline).
-            token = _constructing_rank.set(self.info)
+            # Shards of a future that dispatch padded here come back with the pad
+            # count (a PaddedResult), for the call's collect to remove those rows.
+            pads = start_worker_pads()
             try:
-                result = method(*args, **kwargs)
-                if inspect.isawaitable(result):
-                    result = self._run_async(result)
+                if spec is None or spec.materialize_futures:
+                    args = tuple(_materialize(a) for a in args)
+                    kwargs = {k: _materialize(v) for k, v in kwargs.items()}
+                # A Worker built inside a method (a sub-worker, as verl builds in
+                # init_model) gets this rank, not the environment's (none inline).
+                token = _constructing_rank.set(self.info)
+                try:
+                    result = method(*args, **kwargs)
+                    if inspect.isawaitable(result):
+                        result = self._run_async(result)
+                finally:
+                    _constructing_rank.reset(token)
             finally:
-                _constructing_rank.reset(token)
-            return Outcome(True, result)
+                pad = finish_worker_pads(pads)
+            return Outcome(True, PaddedResult(result, pad) if pad else result)
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise

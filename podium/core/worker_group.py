@@ -29,6 +29,7 @@ from podium.core.dispatch import (
     PortableCollect,
     _call_state,
     collect_dp_compute_data_proto,
+    strip_pads,
     unpad,
 )
 from podium.core.futures import DataProtoFuture, RankFuture, get
@@ -231,7 +232,7 @@ class WorkerGroup:
             else:
                 call = _per_rank_calls(tuple(d_args), dict(d_kwargs), self.world_size)[0]
             (future,) = self._live_group().submit(target, [call], timeout=timeout)
-            return get(future, timeout) if spec.blocking else future
+            return strip_pads([get(future, timeout)])[0][0] if spec.blocking else future
 
         futures = self._live_group().submit(
             target, _per_rank_calls(tuple(d_args), dict(d_kwargs), self.world_size), timeout=timeout
@@ -240,8 +241,9 @@ class WorkerGroup:
             if mode.dp:
                 return DataProtoFuture(self._future_collect(mode, state.pad), futures)
             return futures
-        outputs = get(futures, timeout)
-        return unpad(mode.collect_fn(self, outputs), state.pad)
+        # Rows padded in the workers (a future's shards) come back with the outputs.
+        outputs, worker_pad = strip_pads(get(futures, timeout))
+        return unpad(mode.collect_fn(self, outputs), state.pad or worker_pad)
 
     def _future_collect(self, mode: DispatchMode, pad: int) -> Callable[[list[Any]], Any]:
         if mode.mesh_name is not None:

@@ -73,6 +73,16 @@ class BackendFixtures:
 
     @pytest.fixture(scope="class")
     @classmethod
+    def pair_wg(cls, backend: Backend) -> Iterator[WorkerGroup]:
+        """A second, smaller group (world 2): its results feed calls of ``wg`` (world 4)."""
+        group = cls._group(
+            backend, ResourcePool([2], use_gpu=False), ClassWithInitArgs(ConformanceWorker)
+        )
+        yield group
+        group.shutdown()
+
+    @pytest.fixture(scope="class")
+    @classmethod
     def mesh_wg(cls, backend: Backend) -> Iterator[WorkerGroup]:
         group = cls._group(backend, ResourcePool([WORLD], use_gpu=False), ClassWithInitArgs(MeshWorker, tp_size=2))
         yield group

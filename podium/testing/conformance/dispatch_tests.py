@@ -107,6 +107,33 @@ class DispatchTests(BackendFixtures):
         assert out.batch["x"].tolist() == [float(i + i // 2) for i in range(6)]
         assert len(get(fut)) == 6
 
+    def test_future_that_needs_padding_feeds_another_groups_dp_call(
+        self, wg: WorkerGroup, pair_wg: WorkerGroup
+    ) -> None:
+        # pair_wg (world 2) makes 6 rows; wg (world 4) pads them to 8 for its call
+        # (2 rows per rank) and must give back exactly the 6 rows, in order.
+        expected = [float(i + i // 3 + i // 2) for i in range(6)]
+        out = wg.add_rank(pair_wg.add_rank_async(batch(6, auto_padding=True)))
+        assert len(out) == 6
+        assert out.batch["x"].tolist() == expected
+        assert out.batch["rank"].tolist() == [i // 2 for i in range(6)]
+        fut = wg.add_rank_async(pair_wg.add_rank_async(batch(6, auto_padding=True)))
+        assert isinstance(fut, DataProtoFuture)
+        assert fut.get().batch["x"].tolist() == expected
+        # The unresolved result of the padded call feeds a third call: still 6 rows.
+        again = pair_wg.add_rank(fut)
+        assert again.batch["x"].tolist() == [x + i // 3 for i, x in enumerate(expected)]
+
+    def test_future_that_does_not_divide_without_auto_padding_fails_clearly(
+        self, wg: WorkerGroup, pair_wg: WorkerGroup
+    ) -> None:
+        fut = pair_wg.add_rank_async(batch(6))
+        with pytest.raises(DispatchError) as info:
+            wg.add_rank(fut)
+        text = str(info.value)
+        assert "6" in text and "4" in text and "auto_padding" in text
+        assert len(wg.add_rank(batch(4))) == 4  # the group stays usable
+
     def test_dp_compute_metric_keeps_every_ranks_result(self, wg: WorkerGroup) -> None:
         out = wg.metric(batch(6, auto_padding=True))
         assert [m["rank"] for m in out] == list(range(WORLD))
