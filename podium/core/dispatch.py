@@ -111,7 +111,9 @@ class PaddedChunkPick:
     ``before`` is the future's own pick (when it is itself a shard), applied
     first. A batch that does not divide is padded when it has ``auto_padding``
     and ``pad`` is true, and the pad count is recorded for the rank's result;
-    otherwise it fails with the same :class:`DispatchError` the controller gives.
+    with ``pad`` false (DP_COMPUTE_METRIC, which never pads) it is split into
+    shards whose sizes differ by at most one. Without ``auto_padding`` it fails
+    with the same :class:`DispatchError` the controller gives.
     """
 
     def __init__(
@@ -131,12 +133,8 @@ class PaddedChunkPick:
         if pad:
             if not _auto_padding(data):
                 raise DispatchError(_not_divisible(self.mode, n or 0, self.chunks))
-            if not self.pad:
-                raise DispatchError(
-                    f"{self.mode}: batch size {n} does not divide by the DP size {self.chunks} and this "
-                    "mode never pads; resolve the future first (podium.get(future)) so that it can be "
-                    "split into shards of unequal size"
-                )
+            if not self.pad:  # DP_COMPUTE_METRIC: shards whose sizes differ by at most one
+                return _split_sizes(data, _uneven_sizes(self.mode, n or 0, self.chunks))[self.index]
             data = _pad(data, self.chunks)
             pads = _worker_pads.get()
             if pads is not None:
@@ -147,6 +145,14 @@ class PaddedChunkPick:
                     )
                 pads.append(pad)
         return _chunk(data, self.chunks)[self.index]
+
+
+def _uneven_sizes(mode: str, size: int, n: int) -> list[int]:
+    if size < n:
+        raise DispatchError(
+            f"{mode}: batch size {size} is smaller than the DP size {n}; every rank needs at least one row"
+        )
+    return [size // n + (1 if i < size % n else 0) for i in range(n)]
 
 
 def _not_divisible(mode: str, n: int, shards: int) -> str:
@@ -340,12 +346,7 @@ def dispatch_dp_compute_metric(
     if len(lengths) == 1:
         (size,) = lengths
         if size % n and any(_auto_padding(d) for d in data):
-            if size < n:
-                raise DispatchError(
-                    f"DP_COMPUTE_METRIC: batch size {size} is smaller than the DP size {n}; "
-                    "every rank needs at least one row"
-                )
-            sizes = [size // n + (1 if i < size % n else 0) for i in range(n)]
+            sizes = _uneven_sizes("DP_COMPUTE_METRIC", size, n)
             split = lambda x: _split_sizes(x, sizes) if is_data(x) else [x] * n  # noqa: E731
             return tuple(split(a) for a in args), {k: split(v) for k, v in kwargs.items()}
     split_args, split_kwargs = _shard(wg, n, args, kwargs, "DP_COMPUTE_METRIC", pad_futures=False)

@@ -124,6 +124,13 @@ class DispatchTests(BackendFixtures):
         again = pair_wg.add_rank(fut)
         assert again.batch["x"].tolist() == [x + i // 3 for i, x in enumerate(expected)]
 
+    def test_dp_compute_metric_splits_a_future_unevenly_without_padding(
+        self, wg: WorkerGroup, pair_wg: WorkerGroup
+    ) -> None:
+        out = wg.metric(pair_wg.add_rank_async(batch(6, auto_padding=True)))
+        assert [m["rows"] for m in out] == [2, 2, 1, 1]
+        assert sum(m["sum"] for m in out) == float(sum(i + i // 3 for i in range(6)))
+
     def test_future_that_does_not_divide_without_auto_padding_fails_clearly(
         self, wg: WorkerGroup, pair_wg: WorkerGroup
     ) -> None:
