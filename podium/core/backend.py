@@ -235,10 +235,23 @@ class Backend(ABC):
         # (a worker started elsewhere could not import them), importable ones by
         # reference; one place for every backend.
         for cls in user_classes(spec.cls_with_init):
-            ensure_importable_by_value(cls, spec.worker_env)
+            ensure_importable_by_value(cls, self.worker_import_env(spec))
         # A pool the cluster can never hold is refused before anything starts.
         self.check_resources([spec.pool])
         return self._start_group(spec)
+
+    def worker_import_env(self, spec: GroupSpec) -> Mapping[str, str]:
+        """The environment that decides which user modules a worker can import by name.
+
+        User classes whose module a worker can import go by reference (they stay
+        themselves); the others by value (see :mod:`podium.core.importability`).
+        By default a worker starts with this process's ``PYTHONPATH`` unless
+        ``worker_env`` sets one. A backend whose workers start elsewhere (an
+        existing cluster that does not inherit the controller's environment)
+        overrides this so that modules reachable only through the controller's
+        ``PYTHONPATH`` go by value.
+        """
+        return spec.worker_env
 
     @abstractmethod
     def _start_group(self, spec: GroupSpec) -> BackendGroup: ...

@@ -24,7 +24,7 @@ import gc
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
@@ -190,6 +190,17 @@ class RayBackend(Backend):
                 else:
                     os.environ[key] = value
         self._started_ray = True
+
+    def worker_import_env(self, spec: GroupSpec) -> Mapping[str, str]:
+        """A local Ray podium started inherits this process's environment; the workers of a
+        cluster it attached to start with the cluster's, so the controller's ``PYTHONPATH``
+        counts only where ``worker_env`` or ``runtime_env`` passes it on."""
+        self._connect()
+        env = dict(spec.worker_env)
+        runtime_vars = (self.config["runtime_env"] or {}).get("env_vars", {})
+        if not self._started_ray and "PYTHONPATH" not in env:
+            env["PYTHONPATH"] = runtime_vars.get("PYTHONPATH", "")
+        return env
 
     def check_resources(self, pools: Sequence[ResourcePool]) -> None:
         self._connect()
