@@ -31,24 +31,9 @@ from podium import (
     register,
 )
 from podium.errors import GroupShutdownError, ResourceUnavailableError
+from podium.testing.conformance.workers import Unloadable, Unsendable
 
 WORLD = 4
-
-
-def _refuse(what: str) -> Any:
-    raise ValueError(f"{what} refuses to be unpickled")
-
-
-class Unloadable:
-    """Pickles fine; unpickling it raises (on whichever side receives it)."""
-
-    def __reduce__(self) -> Any:
-        return (_refuse, ("Unloadable",))
-
-
-class Unsendable:
-    def __reduce__(self) -> Any:
-        raise TypeError("Unsendable cannot be pickled")
 
 
 class Sub(Worker):
