@@ -40,6 +40,7 @@ from podium.backends.torchrun.launch import (
     free_port,
     make_runner,
 )
+from podium.backends.torchrun.schedulers import job_id, queue_detail, reachable_host
 from podium.backends.torchrun.shm import tune_malloc
 from podium.core.backend import Backend, BackendGroup, BackendOption, Capabilities, GroupSpec
 from podium.core.resource import ResourcePool
@@ -53,6 +54,8 @@ _LOCAL_SCHEDULERS = ("local_cwd", "local_docker", "local")
 # Schedulers whose nodes all share this host's network (local_docker gives each its own).
 _LOOPBACK_SCHEDULERS = ("local_cwd", "local")
 _TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+# States of an app the scheduler has not started yet.
+_QUEUED = ("UNSUBMITTED", "SUBMITTED", "PENDING")
 
 
 class TorchrunBackend(Backend):
@@ -85,8 +88,9 @@ class TorchrunBackend(Backend):
             "controller_host",
             str,
             None,
-            "address workers use to reach the controller (default 127.0.0.1: same host only); "
-            "set it to this host's reachable address for multi-node schedulers",
+            "address workers use to reach the controller (default: 127.0.0.1 on local schedulers; "
+            "on others this host's address as other hosts see it: its name's address, else the "
+            "outward interface's)",
         ),
         BackendOption(
             "bind_host", str, None, "interface the control socket binds (default: controller_host)"
@@ -102,6 +106,14 @@ class TorchrunBackend(Backend):
         ),
         BackendOption(
             "start_timeout", (int, float), 180.0, "seconds to wait for every worker to start"
+        ),
+        BackendOption(
+            "queue_timeout",
+            (int, float),
+            None,
+            "seconds the scheduler may keep the job queued (pending) before start-up fails with "
+            "ResourceUnavailableError naming the partition and the request (default: start_timeout); "
+            "start_timeout counts from when the job leaves the queue",
         ),
         BackendOption(
             "heartbeat_timeout",
@@ -265,7 +277,11 @@ class TorchrunBackend(Backend):
                 f"backend_options['key_dir'] is {key_dir!r}, which is not a directory. Give a "
                 "directory that every worker node sees under the same path (a shared filesystem)."
             )
-        group = TorchrunGroup(spec, {**self.config, "key_dir": key_dir})
+        host = self.config["controller_host"]
+        if host is None and self.scheduler not in _LOOPBACK_SCHEDULERS:
+            # Workers may run on other hosts; they read the address from the job's environment.
+            host = reachable_host()
+        group = TorchrunGroup(spec, {**self.config, "key_dir": key_dir, "controller_host": host})
         spec.pool.backend_state(self.name)["groups"] = [*live, group]
         group._closer = self._close_group
         runner = self.runner()
@@ -283,14 +299,24 @@ class TorchrunBackend(Backend):
                 group.log_dir = cfg["log_dir"] = tempfile.mkdtemp(prefix="podium-torchx-")
             app = self.app_for(spec, group.worker_env())
             info = dryrun(runner, app, self.scheduler, cfg)
-            group.app_handle = runner.schedule(info)
+            handle = group.app_handle = runner.schedule(info)
             self._groups.append(group)
+            job = f"{self.scheduler} job {job_id(handle)}"
+            queue_timeout = self.config["queue_timeout"]
+            queue_limit = float(timeout if queue_timeout is None else queue_timeout)
+            submitted = time.monotonic()
 
             def ended() -> str | None:
-                status = runner.status(group.app_handle)
-                if status is not None and status.state.name in _TERMINAL:
-                    text = f"state {status.state.name}" + (f": {status.msg}" if status.msg else "")
-                    agent = _agent_log_tail(runner, group.app_handle)
+                status = runner.status(handle)
+                state = status.state.name if status is not None else None
+                # Unknown (None) right after submission: the scheduler has not listed it yet.
+                group.queued = state is None or state in _QUEUED
+                if group.queued and time.monotonic() - submitted > queue_limit:
+                    raise self._queued_error(spec, job, handle, cfg, queue_limit)
+                if state in _TERMINAL:
+                    msg = f": {status.msg}" if status is not None and status.msg else ""
+                    text = f"{job}: state {state}{msg}"
+                    agent = _agent_log_tail(runner, handle)
                     return f"{text}; last lines of the torchrun agent:\n{agent}" if agent else text
                 return None
 
@@ -313,7 +339,8 @@ class TorchrunBackend(Backend):
         handle = group.app_handle
         if handle is not None:
             runner = self.runner()
-            deadline = time.monotonic() + 5.0
+            # A job no rank reached (still queued, or failed) has nothing to wait for.
+            deadline = time.monotonic() + (5.0 if group.any_connected() else 0.0)
             state = None
             while time.monotonic() < deadline:
                 try:
@@ -341,6 +368,29 @@ class TorchrunBackend(Backend):
                 )
             else:
                 shutil.rmtree(group.log_dir, ignore_errors=True)
+
+    def _queued_error(
+        self, spec: GroupSpec, job: str, handle: str, cfg: Mapping[str, Any], waited: float
+    ) -> ResourceUnavailableError:
+        nnodes, nproc = check_pool_shape(spec.pool)
+        request = {
+            "nodes": nnodes,
+            "cpus_per_node": self.config["cpu_per_node"] or nproc,
+            "mem_mb_per_node": self.config["mem_mb_per_node"] or 1024 * nproc,
+            "gpus_per_node": nproc if spec.pool.use_gpu else 0,
+        }
+        detail = queue_detail(self.scheduler, job_id(handle))
+        partition = detail.get("partition") or cfg.get("partition") or "the default partition"
+        asked = ", ".join(f"{k}={v}" for k, v in request.items())
+        reason = f" (scheduler's reason: {detail['reason']})" if detail.get("reason") else ""
+        return ResourceUnavailableError(
+            f"{job} for group {spec.name_prefix!r} stayed queued in partition {partition!r} for "
+            f"{waited:g} s{reason}; it asks for {asked}. Ask for less (a smaller pool, "
+            "backend_options['cpu_per_node'] / ['mem_mb_per_node']), pick another partition "
+            "(scheduler_cfg={'partition': ...}), or wait longer (backend_options['queue_timeout']).",
+            demand=request,
+            supply={"partition": partition, **detail},
+        )
 
     def _shutdown(self) -> None:
         for group in list(self._groups):

@@ -151,6 +151,9 @@ class TorchrunGroup(BackendGroup):
         # The scheduler's log directory this group owns (local schedulers), kept if it failed.
         self.log_dir: str | None = None
         self.keep_logs = False
+        # Set while the scheduler holds the app in its queue: start_timeout runs from
+        # when it leaves (the backend's status check bounds the queueing itself).
+        self.queued = False
         # Set by the backend, which owns the torchx app: how to stop this group.
         self._closer: Callable[[TorchrunGroup], None] | None = None
 
@@ -175,8 +178,16 @@ class TorchrunGroup(BackendGroup):
 
     # -- start ------------------------------------------------------------------
 
+    def any_connected(self) -> bool:
+        """Whether any rank ever connected (a group none reached has nothing to stop)."""
+        return any(r.pid is not None for r in self._ranks)
+
     def wait_started(self, status: Any, timeout: float) -> None:
-        """Wait until every rank said hello; ``status()`` reports the app ending early."""
+        """Wait until every rank said hello; ``status()`` reports the app ending early.
+
+        ``status()`` may raise (a job queued too long) and sets :attr:`queued`;
+        the ``timeout`` for connecting counts from when the app left the queue.
+        """
         deadline = time.monotonic() + timeout
         next_status = 0.0
         with self._changed:
@@ -188,6 +199,8 @@ class TorchrunGroup(BackendGroup):
                         log_tail=self._dead.log_tail,
                     )
                 now = time.monotonic()
+                if self.queued:
+                    deadline = now + timeout
                 if now >= deadline:
                     missing = [r.rank for r in self._ranks if not r.connected]
                     raise WorkerStartupError(
