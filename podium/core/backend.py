@@ -16,6 +16,7 @@ Nothing in podium changes to add a backend.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -45,6 +46,10 @@ __all__ = [
 
 ENTRY_POINT_GROUP = "podium.backends"
 DEFAULT_BACKEND = "ray"
+# The launcher's settings, so a trainer moves between launchers unchanged:
+# $PODIUM_BACKEND names the backend, $PODIUM_BACKEND_OPTIONS (a JSON object) its options.
+BACKEND_ENV = "PODIUM_BACKEND"
+OPTIONS_ENV = "PODIUM_BACKEND_OPTIONS"
 # Extras that install the backends podium itself ships.
 KNOWN_EXTRAS = {"ray": "podium[ray]", "torchrun": "podium[torchrun]"}
 # Per-rank variables a backend sets; worker_env may not override them.
@@ -368,10 +373,20 @@ def _options_key(options: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
 def load_backend(name: str | None = None, **options: Any) -> Backend:
     """The backend ``name`` (default: ``$PODIUM_BACKEND``, else ``"ray"``) with ``options``.
 
+    When ``name`` is the backend ``$PODIUM_BACKEND`` names, ``options`` start
+    from ``$PODIUM_BACKEND_OPTIONS`` (see :func:`env_options`).
+
     One instance is shared per name and option set in a process, so groups
     started with the same settings share one cluster connection.
     """
-    name = name or os.environ.get("PODIUM_BACKEND") or DEFAULT_BACKEND
+    name = name or os.environ.get(BACKEND_ENV) or DEFAULT_BACKEND
+    from_env = env_options(name)
+    if from_env:
+        try:
+            backend_class(name).validate_options(from_env)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"${OPTIONS_ENV}: {exc}") from None
+        options = {**from_env, **options}
     key = (name, _options_key(options))
     with _lock:
         inst = _instances.get(key)
@@ -382,6 +397,28 @@ def load_backend(name: str | None = None, **options: Any) -> Backend:
     with _lock:
         _instances[key] = inst
     return inst
+
+
+def env_options(name: str) -> dict[str, Any]:
+    """The options ``$PODIUM_BACKEND_OPTIONS`` gives backend ``name``.
+
+    They belong to the backend ``$PODIUM_BACKEND`` names (else the default):
+    loading that backend, by that name or by default, starts from them, and
+    options passed in code override them one by one. Any other backend gets none.
+    """
+    raw = os.environ.get(OPTIONS_ENV, "").strip()
+    if not raw or name != (os.environ.get(BACKEND_ENV) or DEFAULT_BACKEND):
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"${OPTIONS_ENV} is not valid JSON ({exc}): {raw!r}. Give a JSON object, e.g. "
+            f"""{OPTIONS_ENV}='{{"scheduler": "slurm", "scheduler_cfg": {{"partition": "debug"}}}}'"""
+        ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"${OPTIONS_ENV} must be a JSON object of backend options, got {raw!r}")
+    return value
 
 
 def resolve_backend(backend: Backend | str | None, options: Mapping[str, Any] | None = None) -> Backend:

@@ -71,7 +71,8 @@ class WorkerGroup:
     starts ``pool.world_size`` ranks. Every ``@register``-ed method of
     ``MyWorker`` is then a method of the group.
 
-    ``backend=None`` reads ``$PODIUM_BACKEND`` and falls back to ``"ray"``.
+    ``backend=None`` reads ``$PODIUM_BACKEND`` and falls back to ``"ray"``;
+    that backend's options start from ``$PODIUM_BACKEND_OPTIONS`` (JSON).
     ``call_timeout`` is the default deadline (seconds) of every call.
     """
 

@@ -198,3 +198,42 @@ def test_a_group_the_backend_refuses_is_never_started() -> None:
     with pytest.raises(ResourceUnavailableError, match="holds no pool"):
         WorkerGroup(ResourcePool([1], use_gpu=False), ClassWithInitArgs(Worker), backend=backend)
     assert backend.started == 0
+
+
+def test_podium_backend_options_environment_variable_configures_that_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("torchx")
+    monkeypatch.setenv("PODIUM_BACKEND", "torchrun")
+    monkeypatch.setenv(
+        "PODIUM_BACKEND_OPTIONS",
+        '{"scheduler": "slurm", "scheduler_cfg": {"partition": "debug"}, "tune_malloc": false}',
+    )
+    # By default and by name (a trainer's --backend flag defaults to $PODIUM_BACKEND).
+    for backend in (load_backend(), load_backend("torchrun")):
+        assert backend.config["scheduler"] == "slurm"
+        assert backend.config["scheduler_cfg"] == {"partition": "debug"}
+    # Options in code override the environment's, one by one.
+    mixed = load_backend("torchrun", scheduler="local_cwd")
+    assert mixed.config["scheduler"] == "local_cwd" and mixed.config["tune_malloc"] is False
+    # They belong to the backend $PODIUM_BACKEND names, not to another one loaded by name.
+    assert isinstance(load_backend("inline"), InlineBackend)
+
+
+def test_an_unknown_option_in_the_environment_is_the_did_you_mean_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("torchx")
+    with pytest.raises(ValueError, match="did you mean 'scheduler'") as in_code:
+        load_backend("torchrun", schedulr="slurm")
+    monkeypatch.setenv("PODIUM_BACKEND", "torchrun")
+    monkeypatch.setenv("PODIUM_BACKEND_OPTIONS", '{"schedulr": "slurm"}')
+    with pytest.raises(ValueError) as info:
+        WorkerGroup(ResourcePool([1], use_gpu=False), ClassWithInitArgs(Worker))
+    assert str(info.value) == f"$PODIUM_BACKEND_OPTIONS: {in_code.value}"
+    monkeypatch.setenv("PODIUM_BACKEND_OPTIONS", "{scheduler: slurm}")
+    with pytest.raises(ValueError, match=r"PODIUM_BACKEND_OPTIONS is not valid JSON.*e\.g\."):
+        load_backend()
+    monkeypatch.setenv("PODIUM_BACKEND_OPTIONS", '["slurm"]')
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        load_backend()
