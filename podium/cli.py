@@ -40,6 +40,15 @@ def cmd_backends(_: argparse.Namespace) -> int:
         print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}{mark}")
     if not rows:
         print(f"(no backends installed in entry-point group {ENTRY_POINT_GROUP!r})")
+    for name, plugin in sorted(loaded.items()):
+        try:
+            lines = plugin.describe_environment()
+        except Exception as exc:  # a plugin's hook must not break the listing
+            lines = [f"(could not describe its environment: {type(exc).__name__}: {exc})"]
+        if lines:
+            print(f"\n{name}:")
+            for line in lines:
+                print(f"  {line}")
     if failed:
         print("\nplugins that failed to load:")
         for name, reason in sorted(failed.items()):
@@ -86,7 +95,11 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="podium", description="podium: single-controller distributed PyTorch")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_backends = sub.add_parser("backends", help="list installed backends and their capabilities")
+    p_backends = sub.add_parser(
+        "backends",
+        help="list installed backends, their capabilities and what each can use here "
+        "(torchrun: the torchx schedulers)",
+    )
     p_backends.set_defaults(func=cmd_backends)
     p_conf = sub.add_parser("conformance", help="run the conformance suite against a backend")
     p_conf.add_argument("name", help="backend name, as listed by `podium backends`")

@@ -191,6 +191,15 @@ class Backend(ABC):
         return config
 
     @classmethod
+    def describe_environment(cls) -> list[str]:
+        """Lines ``podium backends`` prints under this backend: what it can use on this host.
+
+        Optional (default: nothing). Must be quick and must not raise for a
+        missing tool; the torchrun backend lists torchx's schedulers here.
+        """
+        return []
+
+    @classmethod
     def version(cls) -> str:
         """The version of the distribution that ships this backend."""
         from importlib.metadata import PackageNotFoundError, packages_distributions, version

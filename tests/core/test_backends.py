@@ -237,3 +237,27 @@ def test_an_unknown_option_in_the_environment_is_the_did_you_mean_error(
     monkeypatch.setenv("PODIUM_BACKEND_OPTIONS", '["slurm"]')
     with pytest.raises(ValueError, match="must be a JSON object"):
         load_backend()
+
+
+def _scheduler_rows(stdout: str) -> dict[str, str]:
+    section = stdout.split("\ntorchrun:\n", 1)[1]
+    return {line.split()[0]: line for line in section.splitlines()[1:] if line.strip()}
+
+
+def test_cli_backends_says_which_torchx_schedulers_are_usable_here() -> None:
+    pytest.importorskip("torchx")
+    root = str(Path(__file__).resolve().parents[2])
+    # No Slurm commands on this PATH, whatever the host has.
+    env = dict(os.environ, PYTHONPATH=root, PATH=os.path.dirname(sys.executable))
+    out = subprocess.run(
+        [sys.executable, "-m", "podium.cli", "backends"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = _scheduler_rows(out.stdout)
+    assert rows["local_cwd"].split()[1] == "usable"
+    assert "not usable" in rows["slurm"] and "sbatch" in rows["slurm"]
+    assert "kubernetes" in rows

@@ -187,6 +187,16 @@ class TorchrunBackend(Backend):
         ),
     )
 
+    @classmethod
+    def describe_environment(cls) -> list[str]:
+        """Which torchx schedulers can run workers from this host (``scheduler=`` values)."""
+        from podium.backends.torchrun.schedulers import scheduler_report
+
+        lines = ["torchx schedulers (backend_options={'scheduler': ...}):"]
+        for name, usable, why in scheduler_report():
+            lines.append(f"  {name:<16} {'usable' if usable else 'not usable':<10}  {why}")
+        return lines
+
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         if self.config["tune_malloc"]:

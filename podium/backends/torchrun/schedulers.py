@@ -81,7 +81,7 @@ def _slurm() -> tuple[bool, str]:
         why = (
             proc.stderr.strip().splitlines()[-1]
             if proc is not None and proc.stderr.strip()
-            else "no answer"
+            else f"no answer within {_TIMEOUT:g} s"
         )
         return False, f"sinfo failed: {why}"
     acct = _run(["sacct", "-n", "-X", "-S", "now"])
@@ -111,9 +111,17 @@ def _kubernetes() -> tuple[bool, str]:
 def _docker() -> tuple[bool, str]:
     if importlib.util.find_spec("docker") is None:
         return False, "the 'docker' Python package is not installed"
-    if shutil.which("docker") is None and not os.path.exists("/var/run/docker.sock"):
-        return False, "no Docker daemon here"
-    return True, "Docker"
+    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    if not host.startswith("unix://"):
+        return True, f"DOCKER_HOST={host} (the daemon itself is not checked)"
+    path = host[len("unix://") :]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(_TIMEOUT)
+            s.connect(path)
+    except OSError as exc:
+        return False, f"no Docker daemon at {path} ({exc.strerror or exc})"
+    return True, f"Docker daemon at {path}"
 
 
 def _needs(module: str) -> tuple[bool, str]:
