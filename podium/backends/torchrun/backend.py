@@ -138,6 +138,21 @@ class TorchrunBackend(Backend):
             "python", str, None, "Python interpreter on the worker hosts (default: this one)"
         ),
         BackendOption(
+            "image",
+            str,
+            None,
+            "container image the workers run in on container schedulers (kubernetes, "
+            "local_docker): one with podium, torch and your code installed; set 'python' to its "
+            "interpreter. Default '.': this directory, as local_cwd and slurm use it",
+        ),
+        BackendOption(
+            "mounts",
+            list,
+            None,
+            "torchx mounts for every node, one string each (e.g. 'type=volume,src=my-claim,"
+            "dst=/shared' on Kubernetes); key_dir must be on a path every worker sees",
+        ),
+        BackendOption(
             "cpu_per_node",
             int,
             None,
@@ -253,6 +268,8 @@ class TorchrunBackend(Backend):
             cpu=self.config["cpu_per_node"] or nproc,
             mem_mb=self.config["mem_mb_per_node"] or 1024 * nproc,
             local=self.scheduler in _LOOPBACK_SCHEDULERS,
+            image=self.config["image"],
+            mounts=self.config["mounts"] or (),
         )
 
     def dryrun(self, spec: GroupSpec) -> Any:

@@ -27,7 +27,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -131,12 +131,17 @@ def app_for_pool(
     mem_mb: int = 1024,
     gpus_per_node: int | None = None,
     local: bool = True,
+    image: str | None = None,
+    mounts: Sequence[str] = (),
 ) -> AppDef:
     """The torchx app that starts ``pool``'s ranks.
 
     ``local``: every node runs on this host (a local scheduler), so the
     rendezvous and torch.distributed stay on loopback. So they do for a
-    one-node pool on any scheduler.
+    one-node pool on any scheduler. ``image``: the container image of
+    container schedulers (default ``"."``: this directory, as ``local_cwd``
+    and ``slurm`` use it); ``mounts``: torchx mount strings
+    (``type=volume,src=<claim>,dst=<path>``), as ``torchx run --mounts`` takes them.
     """
     from torchx import specs
 
@@ -188,6 +193,14 @@ def app_for_pool(
         "-c",
         escape(shlex.quote(BOOT)),
     ]
+    try:
+        role_mounts = specs.parse_mounts([part for m in mounts for part in m.split(",") if part])
+    except (KeyError, ValueError) as exc:
+        raise ValueError(
+            f"backend_options['mounts'] is {list(mounts)!r}, which torchx cannot parse ({exc}). "
+            "Give one string per mount, e.g. 'type=volume,src=my-claim,dst=/shared' or "
+            "'type=bind,src=/host/path,dst=/path'."
+        ) from None
     gpus = 0
     if pool.use_gpu:
         gpus = nproc if gpus_per_node is None else gpus_per_node
@@ -196,7 +209,7 @@ def app_for_pool(
         roles=[
             specs.Role(
                 name=ROLE_NAME,
-                image=".",
+                image=image or ".",
                 entrypoint="bash",
                 args=["-c", " ".join(cmd)],
                 num_replicas=nnodes,
@@ -204,6 +217,7 @@ def app_for_pool(
                 env={name: escape(value) for name, value in role_env.items()},
                 port_map={"c10d": rdzv_port or 29500},
                 max_retries=0,
+                mounts=role_mounts,
             )
         ],
     )

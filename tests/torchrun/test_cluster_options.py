@@ -1,0 +1,42 @@
+"""Options for clusters that cannot be started here (Kubernetes): what reaches the torchx app."""
+
+from __future__ import annotations
+
+import pytest
+
+from podium import ClassWithInitArgs, ResourcePool, Worker, load_backend
+from podium.core.backend import GroupSpec
+
+
+def _spec() -> GroupSpec:
+    return GroupSpec(
+        pool=ResourcePool([2], use_gpu=False),
+        cls_with_init=ClassWithInitArgs(Worker),
+        name_prefix="c",
+    )
+
+
+def test_image_and_mounts_reach_every_node_of_the_app() -> None:
+    from torchx.specs import VolumeMount
+
+    backend = load_backend(
+        "torchrun",
+        scheduler="kubernetes",
+        image="ghcr.io/me/trainer:1",
+        python="python3",
+        mounts=["type=volume,src=podium-shared,dst=/shared"],
+        key_dir="/shared",
+        tune_malloc=False,
+    )
+    role = backend.app_for(_spec(), {"PODIUM_TR_ADDR": "tcp://10.0.0.1:5555"}).roles[0]
+    assert role.image == "ghcr.io/me/trainer:1"
+    assert role.mounts == [VolumeMount(src="podium-shared", dst_path="/shared", read_only=False)]
+    assert role.args[1].startswith("python3 ")
+    default = load_backend("torchrun", tune_malloc=False).app_for(_spec(), {}).roles[0]
+    assert default.image == "." and default.mounts == []
+
+
+def test_a_mount_torchx_cannot_parse_says_how_to_write_one() -> None:
+    backend = load_backend("torchrun", mounts=["src=/a,dst=/b"], tune_malloc=False)
+    with pytest.raises(ValueError, match=r"mounts.*type=volume,src="):
+        backend.app_for(_spec(), {})
