@@ -72,7 +72,7 @@ alive() {
   pid=$(cat "$pidfile")
   running "$pid" || return 1
   [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$1" ] || return 1
-  tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "PODIUM_SLURM_DIR=$DIR" || return 1
+  tr '\0' '\n' 2>/dev/null <"/proc/$pid/environ" | grep -qx "PODIUM_SLURM_DIR=$DIR" || return 1
   echo "$pid"
 }
 
