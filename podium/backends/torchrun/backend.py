@@ -334,7 +334,11 @@ class TorchrunBackend(Backend):
             submitted = time.monotonic()
 
             def ended() -> str | None:
-                status = runner.status(handle)
+                try:
+                    status = runner.status(handle)
+                except Exception as exc:  # e.g. sacct failing once under load: ask again later
+                    log.debug("status of %s failed: %s", job, exc)
+                    return None
                 state = status.state.name if status is not None else None
                 # Unknown (None) right after submission: the scheduler has not listed it yet.
                 group.queued = state is None or state in _QUEUED
