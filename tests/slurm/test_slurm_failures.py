@@ -55,7 +55,8 @@ def test_a_job_that_fails_before_its_ranks_connect_is_a_startup_error(slurm: Any
     assert time.monotonic() - start < 60
     text = str(info.value)
     assert "state FAILED" in text
-    assert "/nonexistent/python3" in text  # the job's own log, tail
+    assert "/nonexistent/python3" in info.value.log_tail  # the end of the job's own log
+    assert info.value.log_tail in text
     assert slurm.wait_gone(_job_in(text), timeout=15)
 
 

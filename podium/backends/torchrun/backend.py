@@ -6,8 +6,17 @@ Start-up of one group, in order:
 2. bind the group's CURVE-secured control socket and make its keys;
 3. submit a torchx app (``local_cwd`` unless ``scheduler`` says otherwise)
    whose role runs torchrun, which runs podium's worker entry point;
-4. wait for every rank to connect, then send the worker class and wait for
-   every constructor. Any failure tears down what was started and raises.
+4. wait while the scheduler queues the job (``queue_timeout``: then
+   ``ResourceUnavailableError`` with the partition and the request), then for
+   every rank to connect (``start_timeout``), then send the worker class and
+   wait for every constructor. Any failure tears down what was started and
+   raises; a job that ended early is a ``WorkerStartupError`` with its id and
+   the end of its log.
+
+On a scheduler whose nodes are other hosts (``slurm``, ``kubernetes``), the
+workers learn the controller's address from the job's environment
+(``controller_host``, default: this host's address as other hosts see it);
+their CURVE keys never travel that way (see ``key_dir``).
 
 Memory: with ``tune_malloc`` (the default) the backend raises glibc's
 mmap/trim thresholds in the controller process once, when it is created, so
@@ -347,8 +356,8 @@ class TorchrunBackend(Backend):
                 if state in _TERMINAL:
                     msg = f": {status.msg}" if status is not None and status.msg else ""
                     text = f"{job}: state {state}{msg}"
-                    agent = _agent_log_tail(runner, handle)
-                    return f"{text}; last lines of the torchrun agent:\n{agent}" if agent else text
+                    group.scheduler_log = _agent_log_tail(runner, handle)
+                    return text
                 return None
 
             group.wait_started(ended, timeout)

@@ -154,6 +154,8 @@ class TorchrunGroup(BackendGroup):
         # Set while the scheduler holds the app in its queue: start_timeout runs from
         # when it leaves (the backend's status check bounds the queueing itself).
         self.queued = False
+        # What the scheduler kept of the app's output (its end), when it ended early.
+        self.scheduler_log = ""
         # Set by the backend, which owns the torchx app: how to stop this group.
         self._closer: Callable[[TorchrunGroup], None] | None = None
 
@@ -221,7 +223,7 @@ class TorchrunGroup(BackendGroup):
                         raise WorkerStartupError(
                             f"the torchx app of group {self.spec.name_prefix!r} ended before every "
                             f"worker connected ({ended})",
-                            log_tail=self._all_tails(),
+                            log_tail="\n".join(t for t in (self._all_tails(), self.scheduler_log) if t),
                         )
                 self._changed.wait(0.1)
 
