@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -59,6 +59,24 @@ class SlurmCluster:
         return False
 
 
+_stop: list[Callable[[], None]] = []  # how to stop the cluster this session started
+
+
+def _stop_cluster() -> None:
+    while _stop:
+        _stop.pop()()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Stop the cluster after the last Slurm test, not at the end of the whole session."""
+    result = yield
+    here = Path(__file__).parent
+    if nextitem is None or here not in nextitem.path.parents:
+        _stop_cluster()
+    return result
+
+
 @pytest.fixture(scope="session")
 def slurm() -> Iterator[SlurmCluster]:
     env = dict(os.environ)
@@ -78,15 +96,20 @@ def slurm() -> Iterator[SlurmCluster]:
     directory = env.get("PODIUM_SLURM_DIR", "/tmp/podium-slurm")
     saved = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = env["SLURM_CONF"] = f"{directory}/etc/slurm.conf"
-    try:
-        yield SlurmCluster(env)
-    finally:
+
+    def stop() -> None:
         if saved is None:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = saved
         if started:
             subprocess.run(["bash", str(SCRIPT), "stop"], capture_output=True, env=env, timeout=120)
+
+    _stop.append(stop)
+    try:
+        yield SlurmCluster(env)
+    finally:
+        _stop_cluster()
 
 
 @pytest.fixture(scope="module", autouse=True)
