@@ -120,9 +120,12 @@ def test_curve_secrets_stay_out_of_what_slurm_keeps_and_shows(
 def test_the_controller_address_reaches_the_ranks_through_the_job_environment(
     trainer: WorkerGroup,
 ) -> None:
+    from podium.backends.torchrun.schedulers import reachable_host
+
     group: Any = trainer._group  # type: ignore[attr-defined]
     addr = group.channel.address
-    assert not addr.startswith("tcp://127.")  # other hosts could reach it
+    # This host's address as other hosts see it (loopback only on a host with no other).
+    assert addr.startswith(f"tcp://{reachable_host()}:")
     assert trainer.getenv("PODIUM_TR_ADDR") == [addr, addr]
 
 
