@@ -24,10 +24,10 @@ from podium.core.futures import DataProtoFuture, RankFuture, get
 from podium.core.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from podium.core.resource import (
     ResourcePool,
-    ResourcePoolManager,
     merge_resource_pool,
     split_resource_pool,
 )
+from podium.core.resource_manager import ResourcePoolManager
 from podium.core.worker import ClassWithInitArgs, Worker, create_colocated_worker_cls
 from podium.core.worker_group import WorkerGroup
 from podium.errors import (

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from podium.core.decorator import DispatchMode
 from podium.core.futures import DataProtoFuture
+from podium.core.modes import Dispatch, DispatchMode, register_builtin_modes
 from podium.core.protocol import DataProto, cat_batches, pad_dataproto_to_divisor, unpad_dataproto
 from podium.errors import DispatchError
 
@@ -355,6 +355,26 @@ def dispatch_dp_compute_metric(
 
 def collect_dp_compute_data_proto(wg: WorkerGroup, outputs: list[Any]) -> Any:
     return concat_data(outputs)
+
+
+register_builtin_modes(
+    {
+        Dispatch.ONE_TO_ALL: DispatchMode("ONE_TO_ALL", dispatch_one_to_all, collect_all_to_all),
+        Dispatch.ALL_TO_ALL: DispatchMode("ALL_TO_ALL", dispatch_all_to_all, collect_all_to_all),
+        Dispatch.RANK_ZERO: DispatchMode("RANK_ZERO", dispatch_all_to_all, collect_rank_zero),
+        Dispatch.DP_COMPUTE: DispatchMode("DP_COMPUTE", dispatch_dp_compute, collect_all_to_all),
+        Dispatch.DP_COMPUTE_PROTO: DispatchMode(
+            "DP_COMPUTE_PROTO", dispatch_dp_compute_data_proto, collect_dp_compute_data_proto, dp=True
+        ),
+        Dispatch.DP_COMPUTE_PROTO_WITH_FUNC: DispatchMode(
+            "DP_COMPUTE_PROTO_WITH_FUNC",
+            dispatch_dp_compute_data_proto_with_func,
+            collect_dp_compute_data_proto,
+            dp=True,
+        ),
+        Dispatch.DP_COMPUTE_METRIC: DispatchMode("DP_COMPUTE_METRIC", dispatch_dp_compute_metric, collect_all_to_all),
+    }
+)
 
 
 # -- nd-mesh ------------------------------------------------------------------

@@ -18,16 +18,12 @@ Glossary (used the same way across podium):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from podium.core.backend import Backend
+from typing import Any
 
 __all__ = [
     "ResourcePool",
-    "ResourcePoolManager",
     "Slot",
     "merge_resource_pool",
     "split_resource_pool",
@@ -174,62 +170,3 @@ def merge_resource_pool(a: ResourcePool, b: ResourcePool) -> ResourcePool:
     if overlap:
         raise ValueError("cannot merge pools that share slots")
     return _pool_from_slots(a.slots + b.slots, a, f"{a.name_prefix}+{b.name_prefix}")
-
-
-class ResourcePoolManager:
-    """Role -> pool, with a check that the cluster can hold every pool before anything starts.
-
-    ``resource_pool_spec`` names pools (``{"global_pool": [8, 8]}``) and
-    ``mapping`` assigns each role to one of them. Roles mapped to the same pool
-    share it (colocation).
-    """
-
-    def __init__(
-        self,
-        resource_pool_spec: Mapping[str, Sequence[int]],
-        mapping: Mapping[Any, str],
-        *,
-        use_gpu: bool = True,
-        max_colocate_count: int = 1,
-    ) -> None:
-        unknown = {pool for pool in mapping.values() if pool not in resource_pool_spec}
-        if unknown:
-            raise ValueError(
-                f"mapping names pools {sorted(unknown)} that resource_pool_spec does not define "
-                f"(defined: {sorted(resource_pool_spec)})"
-            )
-        self.resource_pool_spec = {k: list(v) for k, v in resource_pool_spec.items()}
-        self.mapping = dict(mapping)
-        self.use_gpu = use_gpu
-        self.max_colocate_count = max_colocate_count
-        self.resource_pool_dict: dict[str, ResourcePool] = {}
-
-    def create_resource_pool(self, backend: Backend | str | None = None, **backend_options: Any) -> None:
-        """Build the pools, after checking through ``backend`` that the cluster can hold them all.
-
-        Raises :class:`podium.errors.ResourceUnavailableError` (demand vs supply) when it cannot.
-        """
-        pools = {
-            name: ResourcePool(
-                nodes,
-                use_gpu=self.use_gpu,
-                max_colocate_count=self.max_colocate_count,
-                name_prefix=name,
-            )
-            for name, nodes in self.resource_pool_spec.items()
-        }
-        from podium.core.backend import resolve_backend
-
-        resolve_backend(backend, backend_options).check_resources(list(pools.values()))
-        self.resource_pool_dict = pools
-
-    def get_resource_pool(self, role: Any) -> ResourcePool:
-        if not self.resource_pool_dict:
-            raise RuntimeError("call create_resource_pool() before get_resource_pool()")
-        try:
-            return self.resource_pool_dict[self.mapping[role]]
-        except KeyError:
-            raise KeyError(f"role {role!r} is not in the mapping (roles: {list(self.mapping)})") from None
-
-    def get_n_gpus(self) -> int:
-        return sum(sum(nodes) for nodes in self.resource_pool_spec.values())
