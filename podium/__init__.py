@@ -12,9 +12,13 @@ from podium.core.backend import (
     available_backends,
     load_backend,
 )
+from podium.core.batching import register_batch_type
 from podium.core.decorator import (
+    DISPATCH_MODE_FN_REGISTRY,
     Dispatch,
     Execute,
+    get_predefined_dispatch_fn,
+    get_predefined_execute_fn,
     register,
     register_dispatch_mode,
     update_dispatch_mode,
@@ -45,6 +49,7 @@ from podium.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DISPATCH_MODE_FN_REGISTRY",
     "Backend",
     "BackendGroup",
     "CallTimeoutError",
@@ -71,11 +76,14 @@ __all__ = [
     "available_backends",
     "create_colocated_worker_cls",
     "get",
+    "get_predefined_dispatch_fn",
+    "get_predefined_execute_fn",
     "load_backend",
     "make_nd_compute_dataproto_dispatch_fn",
     "merge_resource_pool",
     "pad_dataproto_to_divisor",
     "register",
+    "register_batch_type",
     "register_dispatch_mode",
     "split_resource_pool",
     "unpad_dataproto",

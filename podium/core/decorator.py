@@ -16,22 +16,28 @@ from typing import Any, TypeVar
 # Importing dispatch installs the built-in modes' functions in the registry.
 from podium.core import dispatch as _builtin_modes  # noqa: F401
 from podium.core.modes import (
+    DISPATCH_MODE_FN_REGISTRY,
     Dispatch,
     DispatchMode,
     Execute,
     MethodSpec,
     _check_callables,
+    get_predefined_dispatch_fn,
+    get_predefined_execute_fn,
     register_dispatch_mode,
     resolve_dispatch_mode,
     update_dispatch_mode,
 )
 
 __all__ = [
+    "DISPATCH_MODE_FN_REGISTRY",
     "Dispatch",
     "DispatchMode",
     "Execute",
     "MethodSpec",
     "get_method_spec",
+    "get_predefined_dispatch_fn",
+    "get_predefined_execute_fn",
     "register",
     "register_dispatch_mode",
     "resolve_dispatch_mode",
@@ -44,7 +50,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _normalize_dispatch_mode(mode: Any) -> Dispatch | str | DispatchMode:
-    if isinstance(mode, Dispatch):
+    if isinstance(mode, (Dispatch, DispatchMode)):
         return mode
     if isinstance(mode, Mapping):
         keys = set(mode)
@@ -57,8 +63,6 @@ def _normalize_dispatch_mode(mode: Any) -> Dispatch | str | DispatchMode:
         return DispatchMode(
             getattr(mode["dispatch_fn"], "__name__", "custom"), mode["dispatch_fn"], mode["collect_fn"]
         )
-    if isinstance(mode, DispatchMode):
-        return mode
     if isinstance(mode, str):
         resolve_dispatch_mode(mode)  # raises for unknown names
         return mode
@@ -66,6 +70,11 @@ def _normalize_dispatch_mode(mode: Any) -> Dispatch | str | DispatchMode:
         f"dispatch_mode must be a Dispatch member, a registered mode name or a dict with "
         f"'dispatch_fn' and 'collect_fn', got {mode!r}"
     )
+
+
+def _check_dispatch_mode(mode: Any) -> None:
+    """Raise ``ValueError`` unless ``mode`` is a usable dispatch mode (verl's check, for ported code)."""
+    _normalize_dispatch_mode(mode)
 
 
 def register(
