@@ -42,15 +42,19 @@ class Slot:
 
 
 class ResourcePool:
-    """A logical pool of process slots over nodes."""
+    """A logical pool of process slots over nodes.
+
+    The positional order is verl's ``RayResourcePool``: ``(process_on_nodes,
+    use_gpu, name_prefix, max_colocate_count)``.
+    """
 
     def __init__(
         self,
         process_on_nodes: Sequence[int],
-        *,
         use_gpu: bool = True,
-        max_colocate_count: int = 1,
         name_prefix: str | None = None,
+        max_colocate_count: int = 1,
+        *,
         _slots: list[Slot] | None = None,
     ) -> None:
         nodes = list(process_on_nodes)
@@ -58,10 +62,18 @@ class ResourcePool:
             raise ValueError(
                 f"process_on_nodes must be a non-empty list of positive ints, got {process_on_nodes!r}"
             )
+        if not isinstance(use_gpu, bool):
+            raise TypeError(
+                f"use_gpu must be a bool, got {use_gpu!r}; ResourcePool's positional order is "
+                "(process_on_nodes, use_gpu, name_prefix, max_colocate_count), as verl's "
+                "RayResourcePool; pass max_colocate_count= by keyword"
+            )
+        if name_prefix is not None and not isinstance(name_prefix, str):
+            raise TypeError(f"name_prefix must be a str or None, got {name_prefix!r}")
         if not isinstance(max_colocate_count, int) or max_colocate_count < 1:
             raise ValueError(f"max_colocate_count must be an int >= 1, got {max_colocate_count!r}")
         self._store = nodes
-        self.use_gpu = bool(use_gpu)
+        self.use_gpu = use_gpu
         self.max_colocate_count = max_colocate_count
         self.uid = next(_pool_ids)
         self.name_prefix = name_prefix or f"pool{self.uid}"

@@ -16,17 +16,20 @@ class ResourcePoolManager:
 
     ``resource_pool_spec`` names pools (``{"global_pool": [8, 8]}``) and
     ``mapping`` assigns each role to one of them. Roles mapped to the same pool
-    share it (colocation).
+    share it (colocation). Without a ``mapping`` (or for a role it does not
+    name), a role gets the pool of its own name, or the only pool when the spec
+    defines one.
     """
 
     def __init__(
         self,
         resource_pool_spec: Mapping[str, Sequence[int]],
-        mapping: Mapping[Any, str],
+        mapping: Mapping[Any, str] | None = None,
         *,
         use_gpu: bool = True,
         max_colocate_count: int = 1,
     ) -> None:
+        mapping = dict(mapping or {})
         unknown = {pool for pool in mapping.values() if pool not in resource_pool_spec}
         if unknown:
             raise ValueError(
@@ -59,10 +62,18 @@ class ResourcePoolManager:
     def get_resource_pool(self, role: Any) -> ResourcePool:
         if not self.resource_pool_dict:
             raise RuntimeError("call create_resource_pool() before get_resource_pool()")
-        try:
-            return self.resource_pool_dict[self.mapping[role]]
-        except KeyError:
-            raise KeyError(f"role {role!r} is not in the mapping (roles: {list(self.mapping)})") from None
+        pools = self.resource_pool_dict
+        if role in self.mapping:
+            return pools[self.mapping[role]]
+        name = getattr(role, "name", role)  # verl's Role enum members map by their name
+        if isinstance(name, str) and name in pools:
+            return pools[name]
+        if len(pools) == 1:
+            return next(iter(pools.values()))
+        raise KeyError(
+            f"role {role!r} is not in the mapping (roles: {list(self.mapping)}) and names none of the "
+            f"pools {sorted(pools)}; add it to ResourcePoolManager(spec, mapping={{role: pool_name}})"
+        )
 
     def get_n_gpus(self) -> int:
         return sum(sum(nodes) for nodes in self.resource_pool_spec.values())
