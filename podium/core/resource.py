@@ -13,6 +13,10 @@ Glossary (used the same way across podium):
 - **bundle**: on Ray, the placement-group entry backing one slot.
 - **colocation**: several groups on one pool share its slots;
   ``max_colocate_count`` is how many may.
+
+A pool is a pure spec: it holds no backend state. A backend that builds
+something per pool (Ray's placement groups) keeps it itself, keyed by the pool
+(weakly, so it goes with the pool), and every group on the pool shares it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 __all__ = [
     "ResourcePool",
@@ -80,9 +83,6 @@ class ResourcePool:
         if _slots is None:
             _slots = [Slot(self, node, local) for node, n in enumerate(nodes) for local in range(n)]
         self._slots = _slots
-        # Backends keep what they built for this pool here (e.g. Ray placement
-        # groups), keyed by backend name, so every group on the pool shares it.
-        self._backend_state: dict[str, Any] = {}
 
     @property
     def store(self) -> list[int]:
@@ -113,10 +113,6 @@ class ResourcePool:
     def local_rank_list(self) -> list[int]:
         """For each rank, its index on its node."""
         return [i for n in self._store for i in range(n)]
-
-    def backend_state(self, backend: str) -> dict[str, Any]:
-        """A dict private to ``backend`` that lives as long as the pool."""
-        return self._backend_state.setdefault(backend, {})
 
     def __repr__(self) -> str:
         return (

@@ -33,7 +33,7 @@ from podium.core.futures import DataProtoFuture, RankFuture, get
 from podium.core.host import MESH_INFO
 from podium.core.modes import MeshLayout, pad_of
 from podium.core.resource import ResourcePool
-from podium.core.worker import ClassWithInitArgs, ColocatedWorker
+from podium.core.worker import ClassWithInitArgs, colocated_roles
 
 __all__ = ["WorkerGroup"]
 
@@ -303,12 +303,12 @@ class WorkerGroup:
 
     def spawn(self, prefix_set: Iterable[str]) -> dict[str, WorkerGroup]:
         """One view per colocated role, over the same processes."""
-        if self._cls_with_init.cls is not ColocatedWorker:
+        roles = colocated_roles(self._cls_with_init)
+        if roles is None:
             raise TypeError(
                 "spawn() needs a group started from create_colocated_worker_cls({...}); "
                 f"this group runs {self._cls_with_init.cls.__qualname__}"
             )
-        roles: Mapping[str, ClassWithInitArgs[Any]] = self._cls_with_init.args[0]
         views = {}
         for role in prefix_set:
             if role not in roles:
@@ -374,5 +374,5 @@ def _check_timeout(timeout: float | None) -> None:
 def _default_name(cwa: ClassWithInitArgs[Any]) -> str:
     import uuid
 
-    base = "colocated" if cwa.cls is ColocatedWorker else cwa.cls.__name__
+    base = "colocated" if colocated_roles(cwa) is not None else cwa.cls.__name__
     return f"{base}_{uuid.uuid4().hex[:8]}"
