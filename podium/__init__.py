@@ -25,6 +25,7 @@ from podium.core.decorator import (
 )
 from podium.core.dispatch import make_nd_compute_dataproto_dispatch_fn
 from podium.core.futures import DataProtoFuture, RankFuture, get
+from podium.core.modes import Dispatched
 from podium.core.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from podium.core.resource import (
     ResourcePool,
@@ -58,6 +59,7 @@ __all__ = [
     "DataProto",
     "DataProtoFuture",
     "Dispatch",
+    "Dispatched",
     "DispatchError",
     "Execute",
     "GroupShutdownError",

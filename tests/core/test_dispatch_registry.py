@@ -16,6 +16,7 @@ from podium import (
     ClassWithInitArgs,
     DataProto,
     Dispatch,
+    Dispatched,
     Execute,
     ResourcePool,
     Worker,
@@ -29,7 +30,6 @@ from podium import (
     update_dispatch_mode,
 )
 from podium.core.dispatch import collect_all_to_all, dispatch_one_to_all
-from podium.core.modes import Dispatched
 from podium.errors import DispatchError
 
 
