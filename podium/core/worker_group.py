@@ -273,6 +273,8 @@ class WorkerGroup:
             self._mesh_layouts[mesh_name] = layout
         return layout
 
+    _mesh_layout = mesh_layout  # the earlier, private name
+
     # -- raw execution -------------------------------------------------------
 
     def execute_all_async(self, method_name: str, *args: Any, **kwargs: Any) -> list[RankFuture]:
