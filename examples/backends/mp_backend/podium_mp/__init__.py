@@ -81,7 +81,8 @@ class MpFuture(RankFuture):
 
 
 class MpGroup(BackendGroup):
-    def __init__(self, spec: GroupSpec, start_timeout: float) -> None:
+    def __init__(self, spec: GroupSpec, start_timeout: float, stop_timeout: float) -> None:
+        self._stop_timeout = stop_timeout
         self.name = spec.name_prefix
         self.world_size = spec.pool.world_size
         self.worker_names = [f"{spec.name_prefix}_{rank}" for rank in range(self.world_size)]
@@ -259,7 +260,7 @@ class MpGroup(BackendGroup):
                     conn.send_bytes(dumps(("close",), out_of_band=False)[0])
             except OSError:
                 pass
-        self._kill(grace=15.0)
+        self._kill(grace=self._stop_timeout)
 
     def _kill(self, grace: float = 0.0) -> None:
         deadline = time.monotonic() + grace
@@ -288,6 +289,12 @@ class MultiprocessingBackend(Backend):
     )
     options = (
         BackendOption("start_timeout", (int, float), 120.0, "seconds for every rank to start"),
+        BackendOption(
+            "stop_timeout",
+            (int, float),
+            5.0,
+            "seconds a stopping rank may take to run its hook and exit",
+        ),
     )
 
     def check_resources(self, pools: Sequence[ResourcePool]) -> None:
@@ -306,4 +313,6 @@ class MultiprocessingBackend(Backend):
                 )
 
     def _start_group(self, spec: GroupSpec) -> BackendGroup:
-        return MpGroup(spec, float(self.config["start_timeout"]))
+        return MpGroup(
+            spec, float(self.config["start_timeout"]), float(self.config["stop_timeout"])
+        )
