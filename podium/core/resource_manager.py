@@ -42,7 +42,9 @@ class ResourcePoolManager:
         self.max_colocate_count = max_colocate_count
         self.resource_pool_dict: dict[str, ResourcePool] = {}
 
-    def create_resource_pool(self, backend: Backend | str | None = None, **backend_options: Any) -> None:
+    def create_resource_pool(
+        self, backend: Backend | str | None = None, **backend_options: Any
+    ) -> None:
         """Build the pools, after checking through ``backend`` that the cluster can hold them all.
 
         Raises :class:`podium.errors.ResourceUnavailableError` (demand vs supply) when it cannot.

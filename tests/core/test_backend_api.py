@@ -12,6 +12,9 @@ def test_rank_infos_follow_the_pool_entries_of_the_group() -> None:
     a, b = split_resource_pool(ResourcePool([2, 2], use_gpu=False), [3, 1])
     merged = merge_resource_pool(b, ResourcePool([1], use_gpu=False))
     infos = api.rank_infos(merged, master_addr="h", master_port=1)
-    assert [(i.rank, i.node_rank, i.local_rank, i.local_world_size) for i in infos] == [(0, 0, 0, 1), (1, 1, 0, 1)]
+    assert [(i.rank, i.node_rank, i.local_rank, i.local_world_size) for i in infos] == [
+        (0, 0, 0, 1),
+        (1, 1, 0, 1),
+    ]
     assert [(i.node_rank, i.local_rank) for i in api.rank_infos(a)] == [(0, 0), (0, 1), (1, 0)]
     assert {(i.world_size, i.master_addr, i.master_port) for i in infos} == {(2, "h", 1)}
