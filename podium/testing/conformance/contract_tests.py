@@ -1,15 +1,14 @@
 """Conformance: the rules of :mod:`podium.backend_api` a backend can get subtly wrong.
 
 Worker classes that must travel by value, the environment at interpreter
-start, targets without ``@register``, ``submit`` on a busy rank, a dead rank
-failing the whole group's futures, and no process left after ``shutdown()``.
+start, targets without ``@register``, and ``submit`` on a busy rank. (A dead
+rank failing the whole group's futures is checked in ``errors_tests``; no
+process left after ``shutdown()`` in ``lifecycle_tests``.)
 """
 
 from __future__ import annotations
 
 import importlib
-import os
-import socket
 import sys
 import threading
 import time
@@ -18,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from podium import ClassWithInitArgs, RemoteError, ResourcePool, WorkerDiedError, WorkerGroup, get
+from podium import ClassWithInitArgs, RemoteError, ResourcePool, WorkerGroup, get
 from podium.backend_api import RESERVED_ENV, Backend
 from podium.testing.conformance.base import WORLD, BackendFixtures, skip_unless
-from podium.testing.conformance.workers import ConformanceWorker, LifecycleWorker
+from podium.testing.conformance.workers import ConformanceWorker
 
 # A module the test writes to a directory on the controller's sys.path only (as
 # a script's sibling module is): workers cannot import it, so it must travel by value.
@@ -34,14 +33,6 @@ class ScriptWorker(Worker):
     def apply(self, func, value):
         return type(self).__name__, self.rank, func(value)
 """
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
 
 
 class ContractTests(BackendFixtures):
@@ -107,42 +98,3 @@ class ContractTests(BackendFixtures):
             assert [r for r, _, _ in get(futures, timeout=60)] == list(range(WORLD))
         finally:
             busy.join(60)
-
-    @pytest.mark.timeout(180)
-    def test_a_dead_rank_fails_every_pending_future_of_the_group(self, backend: Backend) -> None:
-        skip_unless(backend, "detects_dead_workers")
-        group = WorkerGroup(
-            ResourcePool([2], use_gpu=False), ClassWithInitArgs(ConformanceWorker), backend=backend
-        )
-        try:
-            futures = group.execute_all_async("die", 1)  # rank 0 sleeps 30 s; rank 1 dies
-            start = time.monotonic()
-            for future in futures:
-                with pytest.raises(WorkerDiedError):
-                    future.result(60)
-            assert time.monotonic() - start < 15  # rank 0's future did not wait for its call
-        finally:
-            group.shutdown()
-
-    @pytest.mark.timeout(180)
-    def test_no_process_of_the_group_is_left_after_shutdown(
-        self, backend: Backend, tmp_path: Path
-    ) -> None:
-        if not sys.platform.startswith("linux"):
-            pytest.skip("checks processes through /proc (Linux)")
-        group = WorkerGroup(
-            ResourcePool([2], use_gpu=False),
-            ClassWithInitArgs(
-                LifecycleWorker, marker=str(tmp_path / "m.txt"), controller_pid=os.getpid()
-            ),
-            backend=backend,
-        )
-        here = socket.gethostname()
-        pids = {o["pid"] for o in group.whoami() if o["host"] == here} - {os.getpid()}
-        group.shutdown()
-        if not pids:
-            pytest.skip(f"backend {backend.name!r} runs no process of its own on this host")
-        deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert [pid for pid in pids if _alive(pid)] == []
