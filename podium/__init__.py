@@ -12,22 +12,27 @@ from podium.core.backend import (
     available_backends,
     load_backend,
 )
+from podium.core.batching import register_batch_type
 from podium.core.decorator import (
+    DISPATCH_MODE_FN_REGISTRY,
     Dispatch,
     Execute,
+    get_predefined_dispatch_fn,
+    get_predefined_execute_fn,
     register,
     register_dispatch_mode,
     update_dispatch_mode,
 )
 from podium.core.dispatch import make_nd_compute_dataproto_dispatch_fn
 from podium.core.futures import DataProtoFuture, RankFuture, get
+from podium.core.modes import Dispatched
 from podium.core.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 from podium.core.resource import (
     ResourcePool,
-    ResourcePoolManager,
     merge_resource_pool,
     split_resource_pool,
 )
+from podium.core.resource_manager import ResourcePoolManager
 from podium.core.worker import ClassWithInitArgs, Worker, create_colocated_worker_cls
 from podium.core.worker_group import WorkerGroup
 from podium.errors import (
@@ -45,6 +50,7 @@ from podium.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DISPATCH_MODE_FN_REGISTRY",
     "Backend",
     "BackendGroup",
     "CallTimeoutError",
@@ -53,6 +59,7 @@ __all__ = [
     "DataProto",
     "DataProtoFuture",
     "Dispatch",
+    "Dispatched",
     "DispatchError",
     "Execute",
     "GroupShutdownError",
@@ -71,11 +78,14 @@ __all__ = [
     "available_backends",
     "create_colocated_worker_cls",
     "get",
+    "get_predefined_dispatch_fn",
+    "get_predefined_execute_fn",
     "load_backend",
     "make_nd_compute_dataproto_dispatch_fn",
     "merge_resource_pool",
     "pad_dataproto_to_divisor",
     "register",
+    "register_batch_type",
     "register_dispatch_mode",
     "split_resource_pool",
     "unpad_dataproto",

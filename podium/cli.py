@@ -24,8 +24,24 @@ def _dist_version(plugin: type) -> str:
         return f"? ({exc})"
 
 
-def cmd_backends(_: argparse.Namespace) -> int:
+def options_markdown(plugin: type) -> str:
+    """The Markdown table of a backend's ``backend_options``, built from its declarations."""
+    rows = ["| option | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for opt in getattr(plugin, "options", ()):
+        types = opt.type if isinstance(opt.type, tuple) else (opt.type,)
+        kind = " or ".join(t.__name__ for t in types)
+        rows.append(f"| `{opt.name}` | {kind} | `{opt.default!r}` | {opt.help} |")
+    if len(rows) == 2:
+        return "(no options)"
+    return "\n".join(rows)
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
     loaded, failed = load_plugins()
+    if getattr(args, "options_markdown", False):
+        for name, plugin in sorted(loaded.items()):
+            print(f"### `{name}` options\n\n{options_markdown(plugin)}\n")
+        return 0
     rows = []
     for name, plugin in sorted(loaded.items()):
         caps = plugin.capabilities.as_dict()
@@ -99,6 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "backends",
         help="list installed backends, their capabilities and what each can use here "
         "(torchrun: the torchx schedulers)",
+    )
+    p_backends.add_argument(
+        "--options-markdown",
+        action="store_true",
+        help="print each backend's backend_options as Markdown tables (docs/backends.md is made so)",
     )
     p_backends.set_defaults(func=cmd_backends)
     p_conf = sub.add_parser("conformance", help="run the conformance suite against a backend")

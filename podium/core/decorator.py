@@ -8,20 +8,36 @@ materialize futures.
 
 from __future__ import annotations
 
-import enum
 import functools
 import inspect
-import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
+# Importing dispatch installs the built-in modes' functions in the registry.
+from podium.core import dispatch as _builtin_modes  # noqa: F401
+from podium.core.modes import (
+    DISPATCH_MODE_FN_REGISTRY,
+    Dispatch,
+    DispatchMode,
+    Execute,
+    MethodSpec,
+    _check_callables,
+    get_predefined_dispatch_fn,
+    get_predefined_execute_fn,
+    register_dispatch_mode,
+    resolve_dispatch_mode,
+    update_dispatch_mode,
+)
+
 __all__ = [
+    "DISPATCH_MODE_FN_REGISTRY",
     "Dispatch",
     "DispatchMode",
     "Execute",
     "MethodSpec",
     "get_method_spec",
+    "get_predefined_dispatch_fn",
+    "get_predefined_execute_fn",
     "register",
     "register_dispatch_mode",
     "resolve_dispatch_mode",
@@ -33,152 +49,8 @@ SPEC_ATTR = "__podium_method_spec__"
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class Dispatch(enum.Enum):
-    """Built-in dispatch modes (how arguments are split, how outputs are gathered)."""
-
-    ONE_TO_ALL = "one_to_all"
-    """Every rank gets the same arguments; result: list of per-rank outputs."""
-    ALL_TO_ALL = "all_to_all"
-    """Arguments go as given (the per-rank slicing rule applies); result: list."""
-    RANK_ZERO = "rank_zero"
-    """Only rank 0 runs, with the arguments as given; result: its return value."""
-    DP_COMPUTE = "dp_compute"
-    """Every argument is a list of length world_size; rank i gets element i; result: list."""
-    DP_COMPUTE_PROTO = "dp_compute_proto"
-    """DataProto/TensorDict arguments are chunked over ranks; result: the concatenation."""
-    DP_COMPUTE_PROTO_WITH_FUNC = "dp_compute_proto_with_func"
-    """Like DP_COMPUTE_PROTO; the first argument (a function) goes to every rank whole."""
-    DP_COMPUTE_METRIC = "dp_compute_metric"
-    """Data chunked like DP_COMPUTE_PROTO; result: the list of per-rank outputs."""
-
-
-class Execute(enum.Enum):
-    """Which ranks run a call."""
-
-    ALL = "all"
-    RANK_ZERO = "rank_zero"
-
-
-@dataclass(frozen=True)
-class DispatchMode:
-    """A named dispatch mode: its dispatch and collect functions.
-
-    ``dispatch_fn(worker_group, *args, **kwargs) -> (args, kwargs)`` and
-    ``collect_fn(worker_group, outputs) -> result``. ``dp`` marks modes whose
-    non-blocking calls return a :class:`podium.DataProtoFuture`.
-    """
-
-    name: str
-    dispatch_fn: Callable[..., tuple[tuple[Any, ...], dict[str, Any]]]
-    collect_fn: Callable[[Any, list[Any]], Any]
-    dp: bool = False
-    mesh_name: str | None = None
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """What ``@register`` recorded for one method."""
-
-    dispatch_mode: Dispatch | str | DispatchMode
-    execute_mode: Execute
-    blocking: bool
-    materialize_futures: bool
-    timeout: float | None
-    is_async: bool
-
-
-_registry_lock = threading.Lock()
-_modes: dict[Any, DispatchMode] = {}
-
-
-def _builtin_modes() -> None:
-    from podium.core import dispatch as d
-
-    _modes.update(
-        {
-            Dispatch.ONE_TO_ALL: DispatchMode("ONE_TO_ALL", d.dispatch_one_to_all, d.collect_all_to_all),
-            Dispatch.ALL_TO_ALL: DispatchMode("ALL_TO_ALL", d.dispatch_all_to_all, d.collect_all_to_all),
-            Dispatch.RANK_ZERO: DispatchMode("RANK_ZERO", d.dispatch_all_to_all, d.collect_rank_zero),
-            Dispatch.DP_COMPUTE: DispatchMode("DP_COMPUTE", d.dispatch_dp_compute, d.collect_all_to_all),
-            Dispatch.DP_COMPUTE_PROTO: DispatchMode(
-                "DP_COMPUTE_PROTO", d.dispatch_dp_compute_data_proto, d.collect_dp_compute_data_proto, dp=True
-            ),
-            Dispatch.DP_COMPUTE_PROTO_WITH_FUNC: DispatchMode(
-                "DP_COMPUTE_PROTO_WITH_FUNC",
-                d.dispatch_dp_compute_data_proto_with_func,
-                d.collect_dp_compute_data_proto,
-                dp=True,
-            ),
-            Dispatch.DP_COMPUTE_METRIC: DispatchMode(
-                "DP_COMPUTE_METRIC", d.dispatch_dp_compute_metric, d.collect_all_to_all
-            ),
-        }
-    )
-
-
-def _ensure_builtins() -> None:
-    if not _modes:
-        with _registry_lock:
-            if not _modes:
-                _builtin_modes()
-
-
-def register_dispatch_mode(
-    name: str,
-    dispatch_fn: Callable[..., tuple[tuple[Any, ...], dict[str, Any]]],
-    collect_fn: Callable[[Any, list[Any]], Any],
-) -> str:
-    """Add a custom dispatch mode; use ``@register(dispatch_mode=name)`` afterwards."""
-    _ensure_builtins()
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"a dispatch mode name must be a non-empty string, got {name!r}")
-    _check_callables(name, dispatch_fn, collect_fn)
-    with _registry_lock:
-        if name in _modes or name.upper() in Dispatch.__members__:
-            raise ValueError(
-                f"dispatch mode {name!r} is already registered; use update_dispatch_mode() to replace it"
-            )
-        _modes[name] = DispatchMode(name, dispatch_fn, collect_fn)
-    return name
-
-
-def update_dispatch_mode(
-    mode: Dispatch | str,
-    dispatch_fn: Callable[..., tuple[tuple[Any, ...], dict[str, Any]]],
-    collect_fn: Callable[[Any, list[Any]], Any],
-) -> None:
-    """Replace the functions of an existing (built-in or custom) dispatch mode."""
-    _ensure_builtins()
-    _check_callables(str(mode), dispatch_fn, collect_fn)
-    with _registry_lock:
-        if mode not in _modes:
-            raise ValueError(f"unknown dispatch mode {mode!r}; register it with register_dispatch_mode()")
-        old = _modes[mode]
-        _modes[mode] = DispatchMode(old.name, dispatch_fn, collect_fn, dp=old.dp)
-
-
-def _check_callables(name: str, dispatch_fn: Any, collect_fn: Any) -> None:
-    if not callable(dispatch_fn) or not callable(collect_fn):
-        raise TypeError(
-            f"dispatch mode {name!r} needs callable dispatch_fn(worker_group, *args, **kwargs) "
-            "and collect_fn(worker_group, outputs)"
-        )
-
-
-def resolve_dispatch_mode(mode: Dispatch | str | DispatchMode) -> DispatchMode:
-    """The dispatch mode record for ``mode`` (looked up at call time, so updates apply)."""
-    if isinstance(mode, DispatchMode):
-        return mode
-    _ensure_builtins()
-    try:
-        return _modes[mode]
-    except KeyError:
-        known = [m.name for m in Dispatch] + [k for k in _modes if isinstance(k, str)]
-        raise ValueError(f"unknown dispatch mode {mode!r}; known modes: {known}") from None
-
-
 def _normalize_dispatch_mode(mode: Any) -> Dispatch | str | DispatchMode:
-    if isinstance(mode, Dispatch):
+    if isinstance(mode, (Dispatch, DispatchMode)):
         return mode
     if isinstance(mode, Mapping):
         keys = set(mode)
@@ -191,8 +63,6 @@ def _normalize_dispatch_mode(mode: Any) -> Dispatch | str | DispatchMode:
         return DispatchMode(
             getattr(mode["dispatch_fn"], "__name__", "custom"), mode["dispatch_fn"], mode["collect_fn"]
         )
-    if isinstance(mode, DispatchMode):
-        return mode
     if isinstance(mode, str):
         resolve_dispatch_mode(mode)  # raises for unknown names
         return mode
@@ -200,6 +70,11 @@ def _normalize_dispatch_mode(mode: Any) -> Dispatch | str | DispatchMode:
         f"dispatch_mode must be a Dispatch member, a registered mode name or a dict with "
         f"'dispatch_fn' and 'collect_fn', got {mode!r}"
     )
+
+
+def _check_dispatch_mode(mode: Any) -> None:
+    """Raise ``ValueError`` unless ``mode`` is a usable dispatch mode (verl's check, for ported code)."""
+    _normalize_dispatch_mode(mode)
 
 
 def register(

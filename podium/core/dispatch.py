@@ -6,11 +6,12 @@ returned argument is a list of length ``world_size`` when it differs by rank
 (the per-rank slicing rule). A collect function turns the list of per-rank
 outputs into the call's result: ``collect_fn(worker_group, outputs)``.
 
-Data arguments (``DataProto``, ``TensorDict``, ``DataProtoFuture``) are split
-into DP shards; everything else goes whole to every rank. Dispatch never
-mutates the caller's objects: padding builds a new object. The number of
-padded rows is recorded for the call (see :class:`CallState`) and removed from
-the collected result, blocking or not.
+Batch arguments (``DataProto``, ``TensorDict``, ``DataProtoFuture``, and any
+type registered in :mod:`podium.core.batching`) are split into DP shards;
+everything else goes whole to every rank. Dispatch never mutates the caller's
+objects: padding builds a new object. A mode that pads returns
+:class:`podium.core.modes.Dispatched` with the number of padded rows, which the
+group removes from the collected result, blocking or not.
 """
 
 from __future__ import annotations
@@ -18,21 +19,21 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-from tensordict import TensorDict, TensorDictBase
-
-from podium.core.decorator import DispatchMode
+from podium.core import batching
 from podium.core.futures import DataProtoFuture
-from podium.core.protocol import DataProto, cat_batches, pad_dataproto_to_divisor, unpad_dataproto
+from podium.core.modes import (
+    Dispatch,
+    Dispatched,
+    DispatchGroup,
+    DispatchMode,
+    register_builtin_modes,
+)
 from podium.errors import DispatchError
 
-if TYPE_CHECKING:
-    from podium.core.worker_group import WorkerGroup
-
 __all__ = [
-    "CallState",
+    "Dispatched",
     "collect_all_to_all",
     "collect_dp_compute_data_proto",
     "collect_rank_zero",
@@ -44,22 +45,6 @@ __all__ = [
     "dispatch_one_to_all",
     "make_nd_compute_dataproto_dispatch_fn",
 ]
-
-
-@dataclass
-class CallState:
-    """Facts a dispatch function records for the rest of one call."""
-
-    pad: int = 0
-
-
-_call_state: contextvars.ContextVar[CallState | None] = contextvars.ContextVar("podium_call_state", default=None)
-
-
-def _record_pad(pad: int) -> None:
-    state = _call_state.get()
-    if state is not None:
-        state.pad = pad
 
 
 # -- padding a future's shards in the worker ----------------------------------
@@ -128,14 +113,14 @@ class PaddedChunkPick:
     def __call__(self, data: Any) -> Any:
         if self.before is not None:
             data = self.before(data)
-        n = _length(data)
+        n = batching.length(data)
         pad = -n % self.chunks if n is not None else 0
         if pad:
-            if not _auto_padding(data):
+            if not batching.auto_padding(data):
                 raise DispatchError(_not_divisible(self.mode, n or 0, self.chunks))
             if not self.pad:  # DP_COMPUTE_METRIC: shards whose sizes differ by at most one
-                return _split_sizes(data, _uneven_sizes(self.mode, n or 0, self.chunks))[self.index]
-            data = _pad(data, self.chunks)
+                return batching.split(data, _uneven_sizes(self.mode, n or 0, self.chunks))[self.index]
+            data = batching.pad(data, self.chunks)
             pads = _worker_pads.get()
             if pads is not None:
                 if pads and pads[0] != pad:
@@ -144,7 +129,7 @@ class PaddedChunkPick:
                         f"{pads[0]} and {pad} rows of padding); they must match"
                     )
                 pads.append(pad)
-        return _chunk(data, self.chunks)[self.index]
+        return batching.chunk(data, self.chunks)[self.index]
 
 
 def _uneven_sizes(mode: str, size: int, n: int) -> list[int]:
@@ -165,82 +150,23 @@ def _not_divisible(mode: str, n: int, shards: int) -> str:
 
 
 # -- data helpers --------------------------------------------------------------
+# The batch operations themselves live in podium.core.batching (public as
+# podium.batching), where other batch types register.
 
-
-def is_data(x: Any) -> bool:
-    return isinstance(x, (DataProto, TensorDictBase, DataProtoFuture))
-
-
-def _length(x: Any) -> int | None:
-    if isinstance(x, DataProto):
-        return len(x)
-    if isinstance(x, TensorDictBase):
-        return int(x.batch_size[0]) if x.batch_dims else 0
-    return None  # a future: unknown until resolved
-
-
-def _auto_padding(x: Any) -> bool:
-    return bool(getattr(x, "auto_padding", False))
-
-
-def _pad(x: Any, divisor: int) -> Any:
-    if isinstance(x, DataProto):
-        return pad_dataproto_to_divisor(x, divisor)[0]
-    n = _length(x) or 0
-    pad = -n % divisor
-    if pad == 0:
-        return x
-    idx = torch.arange(pad) % n
-    return torch.cat([x, x[idx]], dim=0)
-
-
-def _chunk(x: Any, chunks: int) -> list[Any]:
-    if isinstance(x, (DataProto, DataProtoFuture)):
-        return list(x.chunk(chunks))
-    return list(x.split((_length(x) or 0) // chunks, dim=0))
-
-
-def _split_sizes(x: Any, sizes: Sequence[int]) -> list[Any]:
-    out, start = [], 0
-    for size in sizes:
-        out.append(x[start : start + size])
-        start += size
-    return out
-
-
-def concat_data(parts: Sequence[Any]) -> Any:
-    if parts and all(isinstance(p, DataProto) for p in parts):
-        return DataProto.concat(list(parts))
-    if parts and all(isinstance(p, TensorDict) for p in parts):
-        return cat_batches(list(parts))
-    if parts and all(isinstance(p, TensorDictBase) for p in parts):
-        return torch.cat(list(parts), dim=0)
-    return list(parts)
-
-
-def unpad(x: Any, pad: int) -> Any:
-    if pad <= 0:
-        return x
-    if isinstance(x, DataProto):
-        return unpad_dataproto(x, pad)
-    if isinstance(x, TensorDictBase):
-        return x[: (_length(x) or 0) - pad]
-    return x
 
 
 def _data_args(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
-    return [a for a in list(args) + list(kwargs.values()) if is_data(a)]
+    return [a for a in list(args) + list(kwargs.values()) if batching.is_batch(a)]
 
 
 def _shard(
-    wg: WorkerGroup,
     shards: int,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     mode: str,
     pad_futures: bool = True,
-) -> tuple[list[list[Any]], dict[str, list[Any]]]:
-    """Split every data argument into ``shards`` pieces, padding if allowed.
+) -> tuple[list[list[Any]], dict[str, list[Any]], int]:
+    """Split every data argument into ``shards`` pieces, padding if allowed; also the rows padded.
 
     An unresolved :class:`DataProtoFuture` is split lazily into
     :class:`PaddedChunkPick` shards that pad in the worker (unless
@@ -252,20 +178,26 @@ def _shard(
             f"{mode} needs at least one DataProto or TensorDict argument to split over {shards} "
             "ranks; use Dispatch.ONE_TO_ALL to send the same arguments to every rank"
         )
-    lengths = {n for n in (_length(d) for d in data) if n is not None}
+    lengths = {n for n in (batching.length(d) for d in data) if n is not None}
     if len(lengths) > 1:
         raise DispatchError(f"{mode}: data arguments have different batch sizes {sorted(lengths)}; they must match")
     pad = 0
     if lengths:
         (n,) = lengths
         if n % shards:
-            if not any(_auto_padding(d) for d in data):
+            if not any(batching.auto_padding(d) for d in data):
                 raise DispatchError(_not_divisible(mode, n, shards))
+            fixed = [type(d).__qualname__ for d in data if batching.length(d) is not None and not batching.can_pad(d)]
+            if fixed:
+                raise DispatchError(
+                    f"{mode}: batch size {n} does not divide by the DP size {shards}, and "
+                    f"{', '.join(sorted(set(fixed)))} cannot be padded (its batch type registered no "
+                    "pad=/unpad=); make the batch a multiple of the DP size"
+                )
             pad = -n % shards
-            _record_pad(pad)
 
     def split(x: Any) -> Any:
-        if not is_data(x):
+        if not batching.is_batch(x):
             return [x] * shards
         if isinstance(x, DataProtoFuture):
             # Its length is known only once resolved, in the worker: pad there.
@@ -278,33 +210,33 @@ def _shard(
                 for i in range(shards)
             ]
         if pad:
-            x = _pad(x, shards)
-        return _chunk(x, shards)
+            x = batching.pad(x, shards)
+        return batching.chunk(x, shards)
 
-    return [split(a) for a in args], {k: split(v) for k, v in kwargs.items()}
+    return [split(a) for a in args], {k: split(v) for k, v in kwargs.items()}, pad
 
 
 # -- built-in modes -------------------------------------------------------------
 
 
-def dispatch_one_to_all(wg: WorkerGroup, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def dispatch_one_to_all(wg: DispatchGroup, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     n = wg.world_size
     return tuple([a] * n for a in args), {k: [v] * n for k, v in kwargs.items()}
 
 
-def dispatch_all_to_all(wg: WorkerGroup, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def dispatch_all_to_all(wg: DispatchGroup, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return args, kwargs
 
 
-def collect_all_to_all(wg: WorkerGroup, outputs: list[Any]) -> list[Any]:
+def collect_all_to_all(wg: DispatchGroup, outputs: list[Any]) -> list[Any]:
     return outputs
 
 
-def collect_rank_zero(wg: WorkerGroup, outputs: list[Any]) -> Any:
+def collect_rank_zero(wg: DispatchGroup, outputs: list[Any]) -> Any:
     return outputs[0]
 
 
-def dispatch_dp_compute(wg: WorkerGroup, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def dispatch_dp_compute(wg: DispatchGroup, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     n = wg.world_size
     for name, value in [(f"argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items()):
         if not isinstance(value, (list, tuple)) or len(value) != n:
@@ -316,24 +248,24 @@ def dispatch_dp_compute(wg: WorkerGroup, *args: Any, **kwargs: Any) -> tuple[tup
 
 
 def dispatch_dp_compute_data_proto(
-    wg: WorkerGroup, *args: Any, **kwargs: Any
+    wg: DispatchGroup, *args: Any, **kwargs: Any
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    split_args, split_kwargs = _shard(wg, wg.world_size, args, kwargs, "DP_COMPUTE_PROTO")
-    return tuple(split_args), split_kwargs
+    split_args, split_kwargs, pad = _shard(wg.world_size, args, kwargs, "DP_COMPUTE_PROTO")
+    return Dispatched(tuple(split_args), split_kwargs, pad)
 
 
 def dispatch_dp_compute_data_proto_with_func(
-    wg: WorkerGroup, *args: Any, **kwargs: Any
+    wg: DispatchGroup, *args: Any, **kwargs: Any
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if not args or not callable(args[0]):
         raise DispatchError("DP_COMPUTE_PROTO_WITH_FUNC: the first argument must be the function to run")
     func, rest = args[0], args[1:]
-    split_args, split_kwargs = _shard(wg, wg.world_size, rest, kwargs, "DP_COMPUTE_PROTO_WITH_FUNC")
-    return ([func] * wg.world_size, *split_args), split_kwargs
+    split_args, split_kwargs, pad = _shard(wg.world_size, rest, kwargs, "DP_COMPUTE_PROTO_WITH_FUNC")
+    return Dispatched(([func] * wg.world_size, *split_args), split_kwargs, pad)
 
 
 def dispatch_dp_compute_metric(
-    wg: WorkerGroup, *args: Any, **kwargs: Any
+    wg: DispatchGroup, *args: Any, **kwargs: Any
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Like DP_COMPUTE_PROTO, but never pads: metrics must not count duplicated rows.
 
@@ -342,19 +274,39 @@ def dispatch_dp_compute_metric(
     """
     n = wg.world_size
     data = _data_args(args, kwargs)
-    lengths = {n for n in (_length(d) for d in data) if n is not None}
+    lengths = {n for n in (batching.length(d) for d in data) if n is not None}
     if len(lengths) == 1:
         (size,) = lengths
-        if size % n and any(_auto_padding(d) for d in data):
+        if size % n and any(batching.auto_padding(d) for d in data):
             sizes = _uneven_sizes("DP_COMPUTE_METRIC", size, n)
-            split = lambda x: _split_sizes(x, sizes) if is_data(x) else [x] * n  # noqa: E731
+            split = lambda x: batching.split(x, sizes) if batching.is_batch(x) else [x] * n  # noqa: E731
             return tuple(split(a) for a in args), {k: split(v) for k, v in kwargs.items()}
-    split_args, split_kwargs = _shard(wg, n, args, kwargs, "DP_COMPUTE_METRIC", pad_futures=False)
-    return tuple(split_args), split_kwargs
+    split_args, split_kwargs, pad = _shard(n, args, kwargs, "DP_COMPUTE_METRIC", pad_futures=False)
+    return Dispatched(tuple(split_args), split_kwargs, pad)
 
 
-def collect_dp_compute_data_proto(wg: WorkerGroup, outputs: list[Any]) -> Any:
-    return concat_data(outputs)
+def collect_dp_compute_data_proto(wg: DispatchGroup, outputs: list[Any]) -> Any:
+    return batching.concat(outputs)
+
+
+register_builtin_modes(
+    {
+        Dispatch.ONE_TO_ALL: DispatchMode("ONE_TO_ALL", dispatch_one_to_all, collect_all_to_all),
+        Dispatch.ALL_TO_ALL: DispatchMode("ALL_TO_ALL", dispatch_all_to_all, collect_all_to_all),
+        Dispatch.RANK_ZERO: DispatchMode("RANK_ZERO", dispatch_all_to_all, collect_rank_zero),
+        Dispatch.DP_COMPUTE: DispatchMode("DP_COMPUTE", dispatch_dp_compute, collect_all_to_all),
+        Dispatch.DP_COMPUTE_PROTO: DispatchMode(
+            "DP_COMPUTE_PROTO", dispatch_dp_compute_data_proto, collect_dp_compute_data_proto, dp=True
+        ),
+        Dispatch.DP_COMPUTE_PROTO_WITH_FUNC: DispatchMode(
+            "DP_COMPUTE_PROTO_WITH_FUNC",
+            dispatch_dp_compute_data_proto_with_func,
+            collect_dp_compute_data_proto,
+            dp=True,
+        ),
+        Dispatch.DP_COMPUTE_METRIC: DispatchMode("DP_COMPUTE_METRIC", dispatch_dp_compute_metric, collect_all_to_all),
+    }
+)
 
 
 # -- nd-mesh ------------------------------------------------------------------
@@ -372,56 +324,21 @@ def make_nd_compute_dataproto_dispatch_fn(mesh_name: str) -> DispatchMode:
     if not isinstance(mesh_name, str) or not mesh_name:
         raise ValueError(f"mesh_name must be a non-empty string, got {mesh_name!r}")
 
-    def dispatch_fn(wg: WorkerGroup, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        layout = wg._mesh_layout(mesh_name)
-        shard_args, shard_kwargs = _shard(wg, layout.dp_size, args, kwargs, f"nd-mesh {mesh_name!r}")
+    def dispatch_fn(wg: DispatchGroup, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        layout = wg.mesh_layout(mesh_name)
+        shard_args, shard_kwargs, pad = _shard(layout.dp_size, args, kwargs, f"nd-mesh {mesh_name!r}")
         per_rank = layout.dp_ranks
-        return (
+        return Dispatched(
             tuple([shards[d] for d in per_rank] for shards in shard_args),
             {k: [shards[d] for d in per_rank] for k, shards in shard_kwargs.items()},
+            pad,
         )
 
-    def collect_fn(wg: WorkerGroup, outputs: list[Any]) -> Any:
-        layout = wg._mesh_layout(mesh_name)
-        return concat_data([outputs[r] for r in layout.collect_ranks])
+    def collect_fn(wg: DispatchGroup, outputs: list[Any]) -> Any:
+        layout = wg.mesh_layout(mesh_name)
+        return batching.concat([outputs[r] for r in layout.collect_ranks])
 
     return DispatchMode(f"nd_compute[{mesh_name}]", dispatch_fn, collect_fn, dp=True, mesh_name=mesh_name)
-
-
-@dataclass(frozen=True)
-class MeshLayout:
-    """Where each rank sits in one registered mesh."""
-
-    dp_ranks: list[int]  # rank -> dp rank
-    collect_ranks: list[int]  # the collecting rank of each dp rank, in dp order
-
-    @property
-    def dp_size(self) -> int:
-        return len(self.collect_ranks)
-
-    @classmethod
-    def from_infos(cls, mesh_name: str, infos: Sequence[tuple[int, bool] | None]) -> MeshLayout:
-        missing = [r for r, info in enumerate(infos) if info is None]
-        if missing:
-            raise DispatchError(
-                f"ranks {missing} never declared their place in mesh {mesh_name!r}; call "
-                f"self._register_dispatch_collect_info({mesh_name!r}, dp_rank=..., is_collect=...) "
-                "in every worker (e.g. in __init__ or an init method) before using this dispatch mode"
-            )
-        pairs = [info for info in infos if info is not None]
-        dp_ranks = [dp for dp, _ in pairs]
-        dp_size = max(dp_ranks) + 1
-        collect: dict[int, list[int]] = {}
-        for rank, (dp, is_collect) in enumerate(pairs):
-            if is_collect:
-                collect.setdefault(dp, []).append(rank)
-        bad = [d for d in range(dp_size) if len(collect.get(d, [])) != 1]
-        if bad:
-            raise DispatchError(
-                f"mesh {mesh_name!r}: each DP rank needs exactly one is_collect rank; DP ranks {bad} "
-                f"have {[collect.get(d, []) for d in bad]}"
-            )
-        return cls(dp_ranks, [collect[d][0] for d in range(dp_size)])
 
 
 # -- collecting a non-blocking DP call ----------------------------------------
@@ -441,17 +358,17 @@ class PortableCollect:
     def __call__(self, outputs: list[Any]) -> Any:
         outputs, worker_pad = strip_pads(outputs)
         picked = outputs if self.ranks is None else [outputs[r] for r in self.ranks]
-        return unpad(concat_data(picked), self.pad or worker_pad)
+        return batching.unpad(batching.concat(picked), self.pad or worker_pad)
 
 
 class BoundCollect:
     """Collect for a ``DataProtoFuture`` of a mode with a custom collect function."""
 
-    def __init__(self, collect_fn: Callable[[Any, list[Any]], Any], wg: WorkerGroup, pad: int) -> None:
+    def __init__(self, collect_fn: Callable[[Any, list[Any]], Any], wg: DispatchGroup, pad: int) -> None:
         self.collect_fn = collect_fn
         self.wg = wg
         self.pad = pad
 
     def __call__(self, outputs: list[Any]) -> Any:
         outputs, worker_pad = strip_pads(outputs)
-        return unpad(self.collect_fn(self.wg, outputs), self.pad or worker_pad)
+        return batching.unpad(self.collect_fn(self.wg, outputs), self.pad or worker_pad)

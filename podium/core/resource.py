@@ -13,21 +13,20 @@ Glossary (used the same way across podium):
 - **bundle**: on Ray, the placement-group entry backing one slot.
 - **colocation**: several groups on one pool share its slots;
   ``max_colocate_count`` is how many may.
+
+A pool is a pure spec: it holds no backend state. A backend that builds
+something per pool (Ray's placement groups) keeps it itself, keyed by the pool
+(weakly, so it goes with the pool), and every group on the pool shares it.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from podium.core.backend import Backend
 
 __all__ = [
     "ResourcePool",
-    "ResourcePoolManager",
     "Slot",
     "merge_resource_pool",
     "split_resource_pool",
@@ -46,15 +45,19 @@ class Slot:
 
 
 class ResourcePool:
-    """A logical pool of process slots over nodes."""
+    """A logical pool of process slots over nodes.
+
+    The positional order is verl's ``RayResourcePool``: ``(process_on_nodes,
+    use_gpu, name_prefix, max_colocate_count)``.
+    """
 
     def __init__(
         self,
         process_on_nodes: Sequence[int],
-        *,
         use_gpu: bool = True,
-        max_colocate_count: int = 1,
         name_prefix: str | None = None,
+        max_colocate_count: int = 1,
+        *,
         _slots: list[Slot] | None = None,
     ) -> None:
         nodes = list(process_on_nodes)
@@ -62,19 +65,24 @@ class ResourcePool:
             raise ValueError(
                 f"process_on_nodes must be a non-empty list of positive ints, got {process_on_nodes!r}"
             )
+        if not isinstance(use_gpu, bool):
+            raise TypeError(
+                f"use_gpu must be a bool, got {use_gpu!r}; ResourcePool's positional order is "
+                "(process_on_nodes, use_gpu, name_prefix, max_colocate_count), as verl's "
+                "RayResourcePool; pass max_colocate_count= by keyword"
+            )
+        if name_prefix is not None and not isinstance(name_prefix, str):
+            raise TypeError(f"name_prefix must be a str or None, got {name_prefix!r}")
         if not isinstance(max_colocate_count, int) or max_colocate_count < 1:
             raise ValueError(f"max_colocate_count must be an int >= 1, got {max_colocate_count!r}")
         self._store = nodes
-        self.use_gpu = bool(use_gpu)
+        self.use_gpu = use_gpu
         self.max_colocate_count = max_colocate_count
         self.uid = next(_pool_ids)
         self.name_prefix = name_prefix or f"pool{self.uid}"
         if _slots is None:
             _slots = [Slot(self, node, local) for node, n in enumerate(nodes) for local in range(n)]
         self._slots = _slots
-        # Backends keep what they built for this pool here (e.g. Ray placement
-        # groups), keyed by backend name, so every group on the pool shares it.
-        self._backend_state: dict[str, Any] = {}
 
     @property
     def store(self) -> list[int]:
@@ -105,10 +113,6 @@ class ResourcePool:
     def local_rank_list(self) -> list[int]:
         """For each rank, its index on its node."""
         return [i for n in self._store for i in range(n)]
-
-    def backend_state(self, backend: str) -> dict[str, Any]:
-        """A dict private to ``backend`` that lives as long as the pool."""
-        return self._backend_state.setdefault(backend, {})
 
     def __repr__(self) -> str:
         return (
@@ -174,62 +178,3 @@ def merge_resource_pool(a: ResourcePool, b: ResourcePool) -> ResourcePool:
     if overlap:
         raise ValueError("cannot merge pools that share slots")
     return _pool_from_slots(a.slots + b.slots, a, f"{a.name_prefix}+{b.name_prefix}")
-
-
-class ResourcePoolManager:
-    """Role -> pool, with a check that the cluster can hold every pool before anything starts.
-
-    ``resource_pool_spec`` names pools (``{"global_pool": [8, 8]}``) and
-    ``mapping`` assigns each role to one of them. Roles mapped to the same pool
-    share it (colocation).
-    """
-
-    def __init__(
-        self,
-        resource_pool_spec: Mapping[str, Sequence[int]],
-        mapping: Mapping[Any, str],
-        *,
-        use_gpu: bool = True,
-        max_colocate_count: int = 1,
-    ) -> None:
-        unknown = {pool for pool in mapping.values() if pool not in resource_pool_spec}
-        if unknown:
-            raise ValueError(
-                f"mapping names pools {sorted(unknown)} that resource_pool_spec does not define "
-                f"(defined: {sorted(resource_pool_spec)})"
-            )
-        self.resource_pool_spec = {k: list(v) for k, v in resource_pool_spec.items()}
-        self.mapping = dict(mapping)
-        self.use_gpu = use_gpu
-        self.max_colocate_count = max_colocate_count
-        self.resource_pool_dict: dict[str, ResourcePool] = {}
-
-    def create_resource_pool(self, backend: Backend | str | None = None, **backend_options: Any) -> None:
-        """Build the pools, after checking through ``backend`` that the cluster can hold them all.
-
-        Raises :class:`podium.errors.ResourceUnavailableError` (demand vs supply) when it cannot.
-        """
-        pools = {
-            name: ResourcePool(
-                nodes,
-                use_gpu=self.use_gpu,
-                max_colocate_count=self.max_colocate_count,
-                name_prefix=name,
-            )
-            for name, nodes in self.resource_pool_spec.items()
-        }
-        from podium.core.backend import resolve_backend
-
-        resolve_backend(backend, backend_options).check_resources(list(pools.values()))
-        self.resource_pool_dict = pools
-
-    def get_resource_pool(self, role: Any) -> ResourcePool:
-        if not self.resource_pool_dict:
-            raise RuntimeError("call create_resource_pool() before get_resource_pool()")
-        try:
-            return self.resource_pool_dict[self.mapping[role]]
-        except KeyError:
-            raise KeyError(f"role {role!r} is not in the mapping (roles: {list(self.mapping)})") from None
-
-    def get_n_gpus(self) -> int:
-        return sum(sum(nodes) for nodes in self.resource_pool_spec.values())

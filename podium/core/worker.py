@@ -13,8 +13,10 @@ from podium.core.decorator import Dispatch, Execute, register
 __all__ = [
     "ClassWithInitArgs",
     "ColocatedWorker",
+    "Colocation",
     "RankInfo",
     "Worker",
+    "colocated_roles",
     "create_colocated_worker_cls",
 ]
 
@@ -152,10 +154,26 @@ class ClassWithInitArgs(Generic[T]):
         return f"ClassWithInitArgs({self.cls.__qualname__})"
 
 
+@dataclass(frozen=True)
+class Colocation:
+    """The roles a colocated worker builds, by name: the argument of a colocated constructor."""
+
+    roles: Mapping[str, ClassWithInitArgs[Any]]
+
+
+def colocated_roles(cwa: ClassWithInitArgs[Any]) -> Mapping[str, ClassWithInitArgs[Any]] | None:
+    """The roles of a constructor from :func:`create_colocated_worker_cls`; ``None`` for any other."""
+    if issubclass(cwa.cls, ColocatedWorker) and cwa.args and isinstance(cwa.args[0], Colocation):
+        return cwa.args[0].roles
+    return None
+
+
 class ColocatedWorker(Worker):
     """Several roles' workers in one process per rank (see :func:`create_colocated_worker_cls`)."""
 
-    def __init__(self, roles: Mapping[str, ClassWithInitArgs[Any]]) -> None:
+    def __init__(self, roles: Colocation | Mapping[str, ClassWithInitArgs[Any]]) -> None:
+        if isinstance(roles, Colocation):
+            roles = roles.roles
         self.roles: dict[str, Any] = {}
         for name, cwa in roles.items():
             self.roles[name] = cwa()
@@ -176,8 +194,9 @@ class ColocatedWorker(Worker):
 
 def user_classes(cwa: ClassWithInitArgs[Any]) -> list[type]:
     """The user classes a constructor builds: the class itself, or each colocated role's."""
-    if cwa.cls is ColocatedWorker and cwa.args:
-        return [cls for role in dict(cwa.args[0]).values() for cls in user_classes(role)]
+    roles = colocated_roles(cwa)
+    if roles is not None:
+        return [cls for role in roles.values() for cls in user_classes(role)]
     return [cwa.cls]
 
 
@@ -194,4 +213,4 @@ def create_colocated_worker_cls(class_dict: Mapping[str, ClassWithInitArgs[Any]]
             raise ValueError(f"role names must be non-empty strings without ':', got {name!r}")
         if not isinstance(cwa, ClassWithInitArgs):
             raise TypeError(f"role {name!r} must map to a ClassWithInitArgs, got {cwa!r}")
-    return ClassWithInitArgs(ColocatedWorker, dict(class_dict))
+    return ClassWithInitArgs(ColocatedWorker, Colocation(dict(class_dict)))

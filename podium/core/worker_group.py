@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from podium.core.backend import Backend, BackendGroup, GroupSpec, RankCall, resolve_backend
+from podium.core.batching import unpad
 from podium.core.decorator import (
     Dispatch,
     DispatchMode,
@@ -24,18 +25,15 @@ from podium.core.decorator import (
 )
 from podium.core.dispatch import (
     BoundCollect,
-    CallState,
-    MeshLayout,
     PortableCollect,
-    _call_state,
     collect_dp_compute_data_proto,
     strip_pads,
-    unpad,
 )
 from podium.core.futures import DataProtoFuture, RankFuture, get
 from podium.core.host import MESH_INFO
+from podium.core.modes import MeshLayout, pad_of
 from podium.core.resource import ResourcePool
-from podium.core.worker import ClassWithInitArgs, ColocatedWorker
+from podium.core.worker import ClassWithInitArgs, colocated_roles
 
 __all__ = ["WorkerGroup"]
 
@@ -218,12 +216,9 @@ class WorkerGroup:
     def _call_registered(self, name: str, spec: MethodSpec, *args: Any, **kwargs: Any) -> Any:
         mode = resolve_dispatch_mode(spec.dispatch_mode)
         args, kwargs = self._resolve_futures(args, kwargs)
-        state = CallState()
-        token = _call_state.set(state)
-        try:
-            d_args, d_kwargs = mode.dispatch_fn(self, *args, **kwargs)
-        finally:
-            _call_state.reset(token)
+        dispatched = mode.dispatch_fn(self, *args, **kwargs)
+        d_args, d_kwargs = dispatched
+        pad = pad_of(dispatched)
         timeout = spec.timeout if spec.timeout is not None else self._call_timeout
         target = self._target(name)
 
@@ -240,15 +235,15 @@ class WorkerGroup:
         )
         if not spec.blocking:
             if mode.dp:
-                return DataProtoFuture(self._future_collect(mode, state.pad), futures)
+                return DataProtoFuture(self._future_collect(mode, pad), futures)
             return futures
         # Rows padded in the workers (a future's shards) come back with the outputs.
         outputs, worker_pad = strip_pads(get(futures, timeout))
-        return unpad(mode.collect_fn(self, outputs), state.pad or worker_pad)
+        return unpad(mode.collect_fn(self, outputs), pad or worker_pad)
 
     def _future_collect(self, mode: DispatchMode, pad: int) -> Callable[[list[Any]], Any]:
         if mode.mesh_name is not None:
-            return PortableCollect(self._mesh_layout(mode.mesh_name).collect_ranks, pad)
+            return PortableCollect(self.mesh_layout(mode.mesh_name).collect_ranks, pad)
         if mode.collect_fn is collect_dp_compute_data_proto:
             return PortableCollect(None, pad)
         return BoundCollect(mode.collect_fn, self, pad)
@@ -270,13 +265,16 @@ class WorkerGroup:
 
         return tuple(resolve(a) for a in args), {k: resolve(v) for k, v in kwargs.items()}
 
-    def _mesh_layout(self, mesh_name: str) -> MeshLayout:
+    def mesh_layout(self, mesh_name: str) -> MeshLayout:
+        """Each rank's place in the mesh ``mesh_name`` (asked of the workers once, then kept)."""
         layout = self._mesh_layouts.get(mesh_name)
         if layout is None:
             infos = self.execute_all_sync(MESH_INFO, mesh_name)
             layout = MeshLayout.from_infos(mesh_name, infos)
             self._mesh_layouts[mesh_name] = layout
         return layout
+
+    _mesh_layout = mesh_layout  # the earlier, private name
 
     # -- raw execution -------------------------------------------------------
 
@@ -308,12 +306,12 @@ class WorkerGroup:
 
     def spawn(self, prefix_set: Iterable[str]) -> dict[str, WorkerGroup]:
         """One view per colocated role, over the same processes."""
-        if self._cls_with_init.cls is not ColocatedWorker:
+        roles = colocated_roles(self._cls_with_init)
+        if roles is None:
             raise TypeError(
                 "spawn() needs a group started from create_colocated_worker_cls({...}); "
                 f"this group runs {self._cls_with_init.cls.__qualname__}"
             )
-        roles: Mapping[str, ClassWithInitArgs[Any]] = self._cls_with_init.args[0]
         views = {}
         for role in prefix_set:
             if role not in roles:
@@ -379,5 +377,5 @@ def _check_timeout(timeout: float | None) -> None:
 def _default_name(cwa: ClassWithInitArgs[Any]) -> str:
     import uuid
 
-    base = "colocated" if cwa.cls is ColocatedWorker else cwa.cls.__name__
+    base = "colocated" if colocated_roles(cwa) is not None else cwa.cls.__name__
     return f"{base}_{uuid.uuid4().hex[:8]}"

@@ -67,3 +67,21 @@ def test_manager_refuses_gpu_pools_a_backend_without_gpus_cannot_hold() -> None:
     mgr = ResourcePoolManager({"global": [2]}, {"actor": "global"})  # use_gpu=True, as in verl
     with pytest.raises(ResourceUnavailableError, match="use_gpu=False"):
         mgr.create_resource_pool(backend="inline")
+
+
+def test_pool_positional_arguments_follow_verl() -> None:
+    pool = ResourcePool([2, 1], False, "rollout", 3)
+    assert (pool.use_gpu, pool.name_prefix, pool.max_colocate_count) == (False, "rollout", 3)
+    with pytest.raises(TypeError, match="max_colocate_count= by keyword"):
+        ResourcePool([2], 3)  # type: ignore[arg-type]
+
+
+def test_manager_without_a_mapping_gives_roles_their_pool() -> None:
+    single = ResourcePoolManager({"global_pool": [2]}, use_gpu=False)
+    single.create_resource_pool(backend="inline")
+    assert single.get_resource_pool("actor") is single.get_resource_pool("critic")
+    named = ResourcePoolManager({"actor": [1], "critic": [1]}, use_gpu=False)
+    named.create_resource_pool(backend="inline")
+    assert named.get_resource_pool("critic").name_prefix == "critic"
+    with pytest.raises(KeyError, match="mapping="):
+        named.get_resource_pool("reward")

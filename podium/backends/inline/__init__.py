@@ -5,12 +5,14 @@ For debugging and fast unit tests. Each rank receives its own copy of every
 argument, and the controller a copy of every result, made by pickling as a
 process boundary would, so code behaves here as it does on process backends.
 
-Calls run when they are submitted, in the submitting thread, one rank after
-another. The backend contract holds as on process backends:
+A call runs when it is submitted, in the submitting thread, if its rank is
+idle; otherwise it is queued and ``submit`` returns at once. The backend
+contract holds as on process backends:
 
-1. One call per rank at a time: calls submitted from several threads wait for
-   the rank to be free (a worker method that calls its own rank again from the
-   same thread runs at once, where a process backend would deadlock).
+1. One call per rank at a time, in submission order: a queued call runs in the
+   thread that frees the rank, or in the thread that waits for its result,
+   whichever comes first (a worker method that calls its own rank again from
+   the same thread runs at once, where a process backend would deadlock).
 2. ``sys.exit()`` (``SystemExit``) in a worker method is that rank's death:
    :class:`podium.errors.WorkerDiedError`, and the group is unusable, as when a
    worker process exits. ``os._exit()`` cannot be caught in-process: it ends
@@ -32,11 +34,13 @@ import logging
 import os
 import threading
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from podium.backend_api import rank_infos
 from podium.core.backend import Backend, BackendGroup, Capabilities, GroupSpec, RankCall
 from podium.core.futures import RankFuture
 from podium.core.host import (
@@ -49,7 +53,6 @@ from podium.core.host import (
 )
 from podium.core.resource import ResourcePool
 from podium.core.serialization import copy_via_pickle, dumps_in_process, loads
-from podium.core.worker import RankInfo
 from podium.errors import (
     GroupShutdownError,
     ResourceUnavailableError,
@@ -63,14 +66,26 @@ log = logging.getLogger("podium.inline")
 
 
 class InlineFuture(RankFuture):
-    def __init__(
-        self, rank: int, method: str, outcome: Outcome | None, error: BaseException | None = None
-    ) -> None:
+    """One rank's call: queued on its rank, run by whichever thread holds the rank next."""
+
+    def __init__(self, rank: int, method: str, group: InlineGroup, payload: Any) -> None:
         super().__init__(rank, method)
-        self._outcome = outcome
-        self._error = error
+        self._group: InlineGroup | None = group
+        self._payload = payload
+        self._outcome: Outcome | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+
+    def _finish(self, outcome: Outcome | None, error: BaseException | None) -> None:
+        self._outcome, self._error = outcome, error
+        self._group = self._payload = None  # a kept future holds no group
+        self._done.set()
 
     def result(self, timeout: float | None = None) -> Any:
+        while not self._done.is_set():
+            group = self._group
+            if group is not None:
+                group._drain(self.rank, blocking=True)  # run what is queued before it, then it
         if self._error is not None:
             raise self._error
         if self._outcome is None:  # cannot happen: one of the two is always set
@@ -78,17 +93,18 @@ class InlineFuture(RankFuture):
         return self._outcome.unwrap()
 
     def done(self) -> bool:
-        return True
+        return self._done.is_set()
 
 
 class _Rank:
-    """One rank: its host, and the lock that runs its calls one at a time."""
+    """One rank: its host, its queue of calls, and the lock that runs them one at a time."""
 
-    __slots__ = ("closing", "host", "lock", "users")
+    __slots__ = ("closing", "host", "lock", "queue", "users")
 
     def __init__(self, host: WorkerHost) -> None:
         self.host: WorkerHost | None = host
         self.lock = threading.RLock()
+        self.queue: deque[InlineFuture] = deque()
         self.users = 0  # threads inside ``lock`` (guarded by the group's state lock)
         self.closing = False  # the hook was handed to someone to run
 
@@ -137,15 +153,9 @@ class InlineGroup(BackendGroup):
         pool = spec.pool
         self.world_size = pool.world_size
         self.worker_names = [f"{spec.name_prefix}_{rank}" for rank in range(self.world_size)]
-        local_ws = pool.local_world_size_list()
-        local_rank = pool.local_rank_list()
-        node_of = [slot.node for slot in pool.slots]
         self._state = state = _State(spec.name_prefix, _apply_env(spec.worker_env))
         self._finalizer = weakref.finalize(self, _close, state)
-        for rank in range(self.world_size):
-            info = RankInfo(
-                rank, self.world_size, local_rank[rank], local_ws[rank], node_rank=node_of[rank]
-            )
+        for rank, info in enumerate(rank_infos(pool)):
             try:
                 host, outcome = WorkerHost.start(info, copy_via_pickle(spec.cls_with_init))
             except SystemExit as exc:
@@ -165,40 +175,57 @@ class InlineGroup(BackendGroup):
         # Every argument is pickled first, as a process backend does before
         # sending: one that does not pickle raises here and no rank runs.
         sent = [dumps_in_process((call.args, call.kwargs)) for call in calls]
-        return [self._run(call.rank, target, payload) for call, payload in zip(calls, sent)]
+        futures = [InlineFuture(call.rank, target, self, payload) for call, payload in zip(calls, sent)]
+        for future in futures:
+            self._state.ranks[future.rank].queue.append(future)
+        for rank in dict.fromkeys(call.rank for call in calls):
+            self._drain(rank, blocking=False)  # an idle rank runs now; a busy one later
+        return list(futures)
 
-    def _run(
-        self, index: int, target: str, payload: tuple[bytes, list[np.ndarray]]
-    ) -> InlineFuture:
-        state = self._state
-        rank = state.ranks[index]
-        with rank.lock:
-            with state.guard:
-                rank.users += 1
-                stopped = state.closed
-            error: BaseException | None = None
-            outcome: Outcome | None = None
+    def _drain(self, index: int, *, blocking: bool) -> None:
+        """Run the rank's queued calls in order, if this thread gets the rank (or waits for it)."""
+        rank = self._state.ranks[index]
+        while rank.lock.acquire(blocking=blocking):
             try:
-                if stopped:
-                    error = GroupShutdownError(state.name, method=target, ranks=[index])
-                elif state.dead is not None:
-                    error = state.dead
-                else:
-                    outcome = self._call(rank, index, target, payload)
-                    if outcome is None:
-                        error = state.dead
+                while rank.queue:
+                    self._run(rank, index, rank.queue.popleft())
             finally:
-                with state.guard:
-                    rank.users -= 1
-                    close_now = state.closed and rank.users == 0 and not rank.closing
-                    if close_now:
-                        rank.closing = True
-                    if state.closed and error is None:
-                        # Shut down while this call ran: its result is not delivered.
-                        error = GroupShutdownError(state.name, method=target, ranks=[index])
+                rank.lock.release()
+            # A call queued while this thread ran, by a thread that found the rank
+            # busy, is this thread's to run: look again after releasing.
+            if not rank.queue:
+                return
+            blocking = False
+
+    def _run(self, rank: _Rank, index: int, future: InlineFuture) -> None:
+        state = self._state
+        target, payload = future.method, future._payload
+        with state.guard:
+            rank.users += 1
+            stopped = state.closed
+        error: BaseException | None = None
+        outcome: Outcome | None = None
+        try:
+            if stopped:
+                error = GroupShutdownError(state.name, method=target, ranks=[index])
+            elif state.dead is not None:
+                error = state.dead
+            else:
+                outcome = self._call(rank, index, target, payload)
+                if outcome is None:
+                    error = state.dead
+        finally:
+            with state.guard:
+                rank.users -= 1
+                close_now = state.closed and rank.users == 0 and not rank.closing
                 if close_now:
-                    _close_rank(state, rank)
-        return InlineFuture(index, target, outcome, error)
+                    rank.closing = True
+                if state.closed and error is None:
+                    # Shut down while this call ran: its result is not delivered.
+                    error = GroupShutdownError(state.name, method=target, ranks=[index])
+            if close_now:
+                _close_rank(state, rank)
+            future._finish(outcome if error is None else None, error)
 
     def _call(
         self, rank: _Rank, index: int, target: str, payload: tuple[bytes, list[np.ndarray]]

@@ -45,7 +45,7 @@ from podium.backends.ray.placement import (
 )
 from podium.core.backend import Backend, BackendOption, Capabilities, GroupSpec
 from podium.core.resource import ResourcePool
-from podium.core.worker import ClassWithInitArgs, ColocatedWorker, RankInfo
+from podium.core.worker import ClassWithInitArgs, RankInfo, colocated_roles
 from podium.core.worker_group import registered_methods
 from podium.errors import (
     CallTimeoutError,
@@ -447,12 +447,8 @@ def _runtime_env(base: dict[str, Any] | None, worker_env: dict[str, str] | Any) 
 
 def _targets(cwa: ClassWithInitArgs[Any]) -> set[str]:
     """The ``@register``-ed targets of a worker class (``role:method`` for colocated roles)."""
-    if cwa.cls is ColocatedWorker and cwa.args:
-        return {
-            f"{role}:{name}"
-            for role, sub in dict(cwa.args[0]).items()
-            if isinstance(sub, ClassWithInitArgs)
-            for name in registered_methods(sub.cls)
-        }
+    roles = colocated_roles(cwa)
+    if roles is not None:
+        return {f"{role}:{name}" for role, sub in roles.items() for name in registered_methods(sub.cls)}
     return set(registered_methods(cwa.cls))
 

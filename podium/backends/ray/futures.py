@@ -216,6 +216,7 @@ def _wait(todo: list[RayRankFuture], deadline: float | None, limit: float | None
         try:
             payloads = ray.get([f.ref for f in pending], timeout=wait_s)
         except GetTimeoutError:
+            _raise_if_a_rank_died(pending)
             continue
         except _LOST:
             refs = [f.ref for f in pending]
@@ -231,6 +232,31 @@ def _wait(todo: list[RayRankFuture], deadline: float | None, limit: float | None
         for f, value in zip(pending, _decode_all(pending, payloads)):
             f._value = value
         return
+
+
+def _raise_if_a_rank_died(pending: list[RayRankFuture]) -> None:
+    """Raise the group's WorkerDiedError when any rank of a waited-on group died.
+
+    A rank's death fails every pending call of its group, not only its own: a
+    wait on rank 0 must not outlast a peer that died (rank 0 may be blocked in a
+    collective with it). The group's other calls in flight show a death first.
+    """
+    groups = {id(g): g for f in pending if f._group is not None and (g := f._group()) is not None}
+    for group in groups.values():
+        if group._dead is None:
+            others = [f for f in list(group._inflight) if f._value is _UNSET and f not in pending]
+            if others:
+                refs = [f.ref for f in others]
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+                done = set(ready)
+                for f in others:
+                    if f.ref in done:
+                        try:
+                            f._settle()
+                        except PodiumError:
+                            pass  # recorded on the group when it was a death
+        if group._dead is not None:
+            raise copy.copy(group._dead)
 
 
 def _timed_out(pending: list[RayRankFuture], limit: float) -> CallTimeoutError:

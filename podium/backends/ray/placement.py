@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,9 @@ __all__ = ["PoolPlacement", "RankPlace", "check_feasible", "demands_of", "reserv
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 _EPS = 1e-6
 _lock = threading.Lock()
+# The placement groups of each root pool, shared by every group on it. Owned
+# here, not by the pool (a pure spec); an entry goes when its pool does.
+_placements: weakref.WeakKeyDictionary[ResourcePool, PoolPlacement] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -316,15 +320,14 @@ def reserve(
             for slot in pool.slots:
                 if slot.root.uid in placements:
                     continue
-                state = slot.root.backend_state("ray")
-                placement: PoolPlacement | None = state.get("placement")
+                placement: PoolPlacement | None = _placements.get(slot.root)
                 if placement is None or placement.job != job or not placement.pgs:
                     try:
                         placement = _begin(slot.root, cpus_per_worker, strategy, job, autoscaling)
                     except BaseException as exc:
                         _abandon(mine, roots, exc)
                         raise
-                    state["placement"] = placement
+                    _placements[slot.root] = placement
                     mine.append(placement)
                 placements[slot.root.uid] = placement
                 roots[slot.root.uid] = slot.root
@@ -355,9 +358,8 @@ def _abandon(
 ) -> None:
     """Placements this thread began and cannot finish: remove them, fail their waiters (under the lock)."""
     for root in roots.values():
-        state = root.backend_state("ray")
-        if state.get("placement") in placements:
-            del state["placement"]
+        if _placements.get(root) in placements:
+            del _placements[root]
     for placement in placements:
         placement.remove()
         placement.error = exc

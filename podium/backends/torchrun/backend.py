@@ -38,6 +38,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -228,6 +229,10 @@ class TorchrunBackend(Backend):
         self._runner: Any = None
         self._runner_lock = threading.Lock()
         self._groups: list[TorchrunGroup] = []
+        # Groups running on each pool (colocation), kept as long as the pool is.
+        self._pool_groups: weakref.WeakKeyDictionary[ResourcePool, list[TorchrunGroup]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @property
     def scheduler(self) -> str:
@@ -294,9 +299,7 @@ class TorchrunBackend(Backend):
     def _start_group(self, spec: GroupSpec) -> BackendGroup:
         check_pool_shape(spec.pool)
         # Groups colocated on one pool share its slots (and GPUs); at most max_colocate_count.
-        live = [
-            g for g in spec.pool.backend_state(self.name).get("groups", []) if g in self._groups
-        ]
+        live = [g for g in self._pool_groups.get(spec.pool, []) if g in self._groups]
         if len(live) >= spec.pool.max_colocate_count:
             raise ResourceUnavailableError(
                 f"pool {spec.pool.name_prefix!r} already holds {len(live)} running group(s) and allows "
@@ -318,7 +321,7 @@ class TorchrunBackend(Backend):
             # Workers may run on other hosts; they read the address from the job's environment.
             host = reachable_host()
         group = TorchrunGroup(spec, {**self.config, "key_dir": key_dir, "controller_host": host})
-        spec.pool.backend_state(self.name)["groups"] = [*live, group]
+        self._pool_groups[spec.pool] = [*live, group]
         group._closer = self._close_group
         runner = self.runner()
         timeout = float(self.config["start_timeout"])

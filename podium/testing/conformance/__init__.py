@@ -5,6 +5,7 @@ Subclass :class:`ConformanceSuite` in a test module and set ``backend_name``
 """
 
 from podium.testing.conformance.base import BackendFixtures
+from podium.testing.conformance.contract_tests import ContractTests
 from podium.testing.conformance.dispatch_tests import DispatchTests
 from podium.testing.conformance.errors_tests import ErrorTests
 from podium.testing.conformance.execution_tests import ExecutionTests
@@ -13,6 +14,7 @@ from podium.testing.conformance.lifecycle_tests import LifecycleTests
 __all__ = [
     "BackendFixtures",
     "ConformanceSuite",
+    "ContractTests",
     "DispatchTests",
     "ErrorTests",
     "ExecutionTests",
@@ -20,5 +22,5 @@ __all__ = [
 ]
 
 
-class ConformanceSuite(DispatchTests, ExecutionTests, ErrorTests, LifecycleTests):
+class ConformanceSuite(DispatchTests, ExecutionTests, ErrorTests, LifecycleTests, ContractTests):
     """Every conformance test, sharing one set of started groups per class."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import gc
 import importlib
 import os
+import socket
+import sys
 import threading
 import time
 import uuid
@@ -68,6 +70,14 @@ class TokenWorker(Worker):
 """
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
 def _lines(path: Path, expected: set[str], within: float) -> set[str]:
     """The lines of ``path`` once it holds ``expected`` (or after ``within`` seconds)."""
     deadline = time.monotonic() + within
@@ -87,12 +97,20 @@ class LifecycleTests(BackendFixtures):
             ClassWithInitArgs(LifecycleWorker, marker=str(marker), controller_pid=os.getpid()),
             backend=backend,
         )
-        assert group.whoami()[1]["rank"] == 1
+        ranks = group.whoami()
+        assert ranks[1]["rank"] == 1
         group.shutdown()
         expected = {"shutdown 0", "shutdown 1"}
         if backend.capabilities.process_group:  # processes exit normally after the hook
             expected |= {"atexit 0", "atexit 1"}
         assert expected <= _lines(marker, expected, within=30)
+        # No process of the group is left (those on this host, other than the controller).
+        pids = {r["pid"] for r in ranks if r["host"] == socket.gethostname()} - {os.getpid()}
+        if pids and sys.platform.startswith("linux"):
+            deadline = time.monotonic() + 30
+            while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert [pid for pid in pids if _alive(pid)] == []
 
     @pytest.mark.timeout(180)
     def test_a_dropped_group_runs_its_hooks_and_releases_its_slots(

@@ -10,6 +10,7 @@ import asyncio
 import atexit
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -25,6 +26,7 @@ from podium import (
     make_nd_compute_dataproto_dispatch_fn,
     register,
 )
+from podium.backend_api import RESERVED_ENV
 
 
 class SuiteError(Exception):
@@ -63,6 +65,8 @@ class ConformanceWorker(Worker):
         self.running = 0
         self.most_running = 0
         self.guard = threading.Lock()
+        # What the constructor saw: the rank variables must be set before it runs.
+        self.env_at_init = {name: os.environ.get(name) for name in RESERVED_ENV}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def whoami(self, tag: Any = None) -> dict[str, Any]:
@@ -75,11 +79,24 @@ class ConformanceWorker(Worker):
             "pid": os.getpid(),
             "tag": tag,
             "offset": self.offset,
+            "host": socket.gethostname(),
         }
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def env(self, *names: str) -> dict[str, str | None]:
         return {name: os.environ.get(name) for name in names}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def start_env(self, *names: str) -> dict[str, str | None]:
+        """The variables as the process's interpreter started with them (Linux: /proc/self/environ)."""
+        with open("/proc/self/environ", "rb") as f:
+            entries = [e.decode(errors="replace").partition("=") for e in f.read().split(b"\0") if e]
+        initial = {k: v for k, _, v in entries}
+        return {name: initial.get(name) for name in names}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_env(self) -> dict[str, str | None]:
+        return dict(self.env_at_init)
 
     @register(dispatch_mode=Dispatch.ALL_TO_ALL)
     def echo(self, *args: Any, **kwargs: Any) -> tuple[int, tuple[Any, ...], dict[str, Any]]:
