@@ -13,6 +13,7 @@ from podium.core.backend import (
     load_backend,
 )
 from podium.core.batching import register_batch_type
+from podium.core.batchref import BatchRef
 from podium.core.decorator import (
     DISPATCH_MODE_FN_REGISTRY,
     Dispatch,
@@ -37,6 +38,7 @@ from podium.core.worker import ClassWithInitArgs, Worker, create_colocated_worke
 from podium.core.worker_group import WorkerGroup
 from podium.errors import (
     CallTimeoutError,
+    DataLostError,
     DispatchError,
     GroupShutdownError,
     PodiumError,
@@ -53,9 +55,11 @@ __all__ = [
     "DISPATCH_MODE_FN_REGISTRY",
     "Backend",
     "BackendGroup",
+    "BatchRef",
     "CallTimeoutError",
     "Capabilities",
     "ClassWithInitArgs",
+    "DataLostError",
     "DataProto",
     "DataProtoFuture",
     "Dispatch",

@@ -11,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "CallTimeoutError",
+    "DataLostError",
     "DispatchError",
     "GroupShutdownError",
     "PodiumError",
@@ -114,6 +115,26 @@ class WorkerDiedError(PodiumError):
         text += ". The group is unusable now; shut it down and start a new one."
         if log_tail:
             text += f"\n--- last log lines of rank {rank} ---\n{log_tail}"
+        super().__init__(text)
+
+
+class DataLostError(PodiumError):
+    """A :class:`podium.BatchRef` names data whose producer is gone (died, or its group stopped).
+
+    Raised at the controller -- by the call that needed the data, or by
+    ``materialize()`` -- within seconds, never a hang and never partial data.
+    ``ref`` is the reference's id, ``rank`` the producer rank that held the rows.
+    """
+
+    def __init__(self, ref: str, rank: int | None, *, group: str = "", detail: str = "") -> None:
+        self.ref = ref
+        self.rank = rank
+        self.group = group
+        where = f" of group {group!r}" if group else ""
+        text = f"the data of BatchRef {ref} held by rank {rank}{where} is lost"
+        if detail:
+            text += f": {detail}"
+        text += ". Recompute it (run the producing call again) on a live group."
         super().__init__(text)
 
 

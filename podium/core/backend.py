@@ -80,6 +80,9 @@ class Capabilities:
     """A worker that dies is a ``WorkerDiedError`` at the controller."""
     worker_env: bool = False
     """``worker_env`` sets variables in each rank's own environment."""
+    batch_refs: bool = False
+    """``output="ref"`` keeps outputs in the ranks and a ``BatchRef`` argument is read worker to worker;
+    without it the controller holds the rows (same results, data through the controller)."""
 
     def as_dict(self) -> dict[str, bool]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -22,6 +22,7 @@ from podium.core.modes import (
     Execute,
     MethodSpec,
     _check_callables,
+    check_output_options,
     get_predefined_dispatch_fn,
     get_predefined_execute_fn,
     register_dispatch_mode,
@@ -84,12 +85,19 @@ def register(
     materialize_futures: bool = True,
     *,
     timeout: float | None = None,
+    output: str = "value",
+    row_meta: tuple[str, ...] | list[str] = (),
 ) -> Callable[[F], F]:
     """Mark a worker method as callable through a :class:`podium.WorkerGroup`.
 
     Arguments are checked here, when the class body runs, not at the first call.
+    ``output="ref"`` makes the call return a :class:`podium.BatchRef`: the
+    ranks keep their outputs and only metadata reaches the controller;
+    ``row_meta`` names 1-D keys of the output whose per-row values the
+    reference carries (see :mod:`podium.core.batchref`).
     """
     mode = _normalize_dispatch_mode(dispatch_mode)
+    row_meta = check_output_options(output, row_meta, blocking)
     if not isinstance(execute_mode, Execute):
         raise ValueError(f"execute_mode must be Execute.ALL or Execute.RANK_ZERO, got {execute_mode!r}")
     if not isinstance(blocking, bool) or not isinstance(materialize_futures, bool):
@@ -114,6 +122,8 @@ def register(
             materialize_futures=materialize_futures,
             timeout=float(timeout) if timeout is not None else None,
             is_async=inspect.iscoroutinefunction(func),
+            output=output,
+            row_meta=row_meta,
         )
         setattr(func, SPEC_ATTR, spec)
         return func

@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from podium.core.dataplane import RowReference
 from podium.errors import CallTimeoutError
 
 __all__ = ["DataProtoFuture", "RankFuture", "get"]
@@ -114,13 +115,16 @@ class _ChunkPick:
 
 
 def get(x: Any, timeout: float | None = None) -> Any:
-    """Resolve a future, a (nested) list of futures or a :class:`DataProtoFuture`.
+    """Resolve a future, a (nested) list of futures, a :class:`DataProtoFuture` or a
+    :class:`podium.BatchRef` (its rows, brought to the controller).
 
     Anything else is returned unchanged. ``timeout`` bounds the whole wait and
     raises :class:`podium.errors.CallTimeoutError` naming the ranks that did not answer.
     """
     if isinstance(x, DataProtoFuture):
         return x.get(timeout)
+    if isinstance(x, RowReference):
+        return x.materialize(timeout)
     if isinstance(x, RankFuture):
         return type(x).gather([x], timeout)[0]
     if isinstance(x, (list, tuple)):

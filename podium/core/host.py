@@ -18,6 +18,7 @@ from typing import Any
 
 import cloudpickle
 
+from podium.core import dataplane
 from podium.core.decorator import get_method_spec
 from podium.core.dispatch import PaddedResult, finish_worker_pads, start_worker_pads
 from podium.core.futures import DataProtoFuture
@@ -129,6 +130,7 @@ class WorkerHost:
     def __init__(self, info: RankInfo, cls_with_init: ClassWithInitArgs[Any]) -> None:
         self.info = info
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.shards = dataplane.ShardStore()  # outputs of output="ref" calls kept here
         token = _constructing_rank.set(info)
         try:
             self.worker = cls_with_init()
@@ -147,6 +149,8 @@ class WorkerHost:
 
     def _resolve(self, target: str) -> Any:
         role, name = split_target(target)
+        if name == dataplane.RELEASE:
+            return self.shards.release
         obj = self.worker
         if role is not None:
             if not isinstance(obj, ColocatedWorker) or role not in obj.roles:
@@ -164,7 +168,11 @@ class WorkerHost:
             # Shards of a future that dispatch padded here come back with the pad
             # count (a PaddedResult), for the call's collect to remove those rows.
             pads = start_worker_pads()
+            store = dataplane.run_in_store(self.shards)
             try:
+                # A BatchRef argument becomes the rows and keys it names, read from its producers.
+                args = tuple(dataplane.fetch(a) if isinstance(a, dataplane.RowReference) else a for a in args)
+                kwargs = {k: dataplane.fetch(v) if isinstance(v, dataplane.RowReference) else v for k, v in kwargs.items()}
                 if spec is None or spec.materialize_futures:
                     args = tuple(_materialize(a) for a in args)
                     kwargs = {k: _materialize(v) for k, v in kwargs.items()}
@@ -177,13 +185,26 @@ class WorkerHost:
                         result = self._run_async(result)
                 finally:
                     _constructing_rank.reset(token)
+                if spec is not None and spec.output == "ref":
+                    result = self._export(method, spec.dispatch_mode, spec.row_meta, target, result)
             finally:
+                dataplane.leave_store(store)
                 pad = finish_worker_pads(pads)
             return Outcome(True, PaddedResult(result, pad) if pad else result)
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             return Outcome(False, RemoteFailure.capture(exc, self.info.rank, target))
+
+    def _export(self, method: Any, mode: Any, row_meta: tuple[str, ...], target: str, result: Any) -> Any:
+        """Keep an ``output="ref"`` result here; ranks that do not collect (nd-mesh) keep nothing."""
+        mesh = getattr(mode, "mesh_name", None)
+        owner = getattr(method, "__self__", None)
+        if mesh is not None and owner is not None:
+            place = owner._query_dispatch_collect_info(mesh)
+            if place is not None and not place[1]:
+                return None
+        return self.shards.export(result, row_meta, target)
 
     def _run_async(self, awaitable: Any) -> Any:
         # One loop per host for its whole life, so objects bound to it (clients,
@@ -210,6 +231,7 @@ class WorkerHost:
                 failure = RemoteFailure.capture(exc, self.info.rank, "shutdown")
         if self._loop is not None and not self._loop.is_closed():
             self._loop.close()
+        self.shards.close()
         return failure
 
 

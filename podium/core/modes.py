@@ -36,6 +36,7 @@ __all__ = [
     "Execute",
     "MeshLayout",
     "MethodSpec",
+    "check_output_options",
     "get_predefined_dispatch_fn",
     "get_predefined_execute_fn",
     "register_dispatch_mode",
@@ -228,6 +229,8 @@ class MethodSpec:
     materialize_futures: bool
     timeout: float | None
     is_async: bool
+    output: str = "value"
+    row_meta: tuple[str, ...] = ()
 
 
 class Dispatched(tuple[tuple[Any, ...], dict[str, Any]]):
@@ -408,3 +411,22 @@ def get_predefined_execute_fn(execute_mode: Execute) -> dict[str, str]:
             f"execute_mode must be Execute.ALL or Execute.RANK_ZERO, got {execute_mode!r}"
         )
     return {"execute_fn_name": names[execute_mode]}
+
+
+OUTPUTS = ("value", "ref")
+
+
+def check_output_options(output: Any, row_meta: Any, blocking: bool) -> tuple[str, ...]:
+    """Validate ``register(output=..., row_meta=...)``; the row_meta keys as a tuple."""
+    if output not in OUTPUTS:
+        raise ValueError(f"output must be 'value' or 'ref', got {output!r}")
+    if isinstance(row_meta, str) or not all(isinstance(k, str) for k in row_meta):
+        raise TypeError(f"row_meta must be a list of key names, got {row_meta!r}")
+    if row_meta and output != "ref":
+        raise ValueError("row_meta is published only with output='ref'")
+    if output == "ref" and not blocking:
+        raise ValueError(
+            "output='ref' needs blocking=True: the call returns the BatchRef (metadata) at once "
+            "after the ranks finish; pass the BatchRef on instead of a future"
+        )
+    return tuple(row_meta)

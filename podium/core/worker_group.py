@@ -15,6 +15,7 @@ from typing import Any
 
 from podium.core.backend import Backend, BackendGroup, GroupSpec, RankCall, resolve_backend
 from podium.core.batching import unpad
+from podium.core.batchref import BatchRef, adopt, flush_releases, keep_inputs
 from podium.core.decorator import (
     Dispatch,
     DispatchMode,
@@ -215,6 +216,7 @@ class WorkerGroup:
 
     def _call_registered(self, name: str, spec: MethodSpec, *args: Any, **kwargs: Any) -> Any:
         mode = resolve_dispatch_mode(spec.dispatch_mode)
+        flush_releases()  # shards whose last BatchRef is gone are freed with the next call
         args, kwargs = self._resolve_futures(args, kwargs)
         dispatched = mode.dispatch_fn(self, *args, **kwargs)
         d_args, d_kwargs = dispatched
@@ -228,17 +230,24 @@ class WorkerGroup:
             else:
                 call = _per_rank_calls(tuple(d_args), dict(d_kwargs), self.world_size)[0]
             (future,) = self._live_group().submit(target, [call], timeout=timeout)
-            return strip_pads([get(future, timeout)])[0][0] if spec.blocking else future
+            if not spec.blocking:
+                keep_inputs([future], args, kwargs)
+                return future
+            value = strip_pads([get(future, timeout)])[0][0]
+            return adopt([value], self._group, self.name_prefix)[0] if spec.output == "ref" else value
 
         futures = self._live_group().submit(
             target, _per_rank_calls(tuple(d_args), dict(d_kwargs), self.world_size), timeout=timeout
         )
         if not spec.blocking:
+            keep_inputs(futures, args, kwargs)
             if mode.dp:
                 return DataProtoFuture(self._future_collect(mode, pad), futures)
             return futures
         # Rows padded in the workers (a future's shards) come back with the outputs.
         outputs, worker_pad = strip_pads(get(futures, timeout))
+        if spec.output == "ref":  # each rank kept its output: one-shard BatchRefs, collected as data
+            outputs = adopt(outputs, self._group, self.name_prefix)
         return unpad(mode.collect_fn(self, outputs), pad or worker_pad)
 
     def _future_collect(self, mode: DispatchMode, pad: int) -> Callable[[list[Any]], Any]:
@@ -251,8 +260,15 @@ class WorkerGroup:
     def _resolve_futures(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Rank futures are resolved here; DataProtoFutures too unless they can move worker to worker."""
         w2w = self._backend.capabilities.worker_to_worker_futures
+        refs = getattr(self._backend.capabilities, "batch_refs", False)
 
         def resolve(value: Any) -> Any:
+            if isinstance(value, BatchRef):
+                # A backend without batch_refs (or rows the controller holds): the rows go by value.
+                if not refs or value.held_by_controller:
+                    return value.materialize()
+                value._check_live()
+                return value
             if isinstance(value, DataProtoFuture):
                 if w2w and isinstance(value.collect_fn, PortableCollect):
                     return value

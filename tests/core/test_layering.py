@@ -19,6 +19,7 @@ LAYERS: list[set[str]] = [
     {"podium.errors"},
     {"podium.core._batch_utils", "podium.core.importability", "podium.core.modes"},
     {"podium.core.protocol", "podium.core.serialization", "podium.core.resource"},
+    {"podium.core.dataplane"},
     {"podium.core.futures"},
     {"podium.core.batching"},
     {"podium.core.dispatch"},
@@ -26,6 +27,7 @@ LAYERS: list[set[str]] = [
     {"podium.core.worker"},
     {"podium.core.host"},
     {"podium.core.backend"},
+    {"podium.core.batchref"},
     {"podium.core.worker_group"},
     {"podium.core.resource_manager"},
 ]

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from podium.backend_api import rank_infos
+from podium.core import dataplane
 from podium.core.backend import Backend, BackendGroup, Capabilities, GroupSpec, RankCall
 from podium.core.futures import RankFuture
 from podium.core.host import (
@@ -290,7 +291,7 @@ def _visible_gpus() -> int:
 
 class InlineBackend(Backend):
     name = "inline"
-    capabilities = Capabilities(fractional_colocation=True)
+    capabilities = Capabilities(fractional_colocation=True, batch_refs=True)
     options = ()
 
     def check_resources(self, pools: Sequence[ResourcePool]) -> None:
@@ -307,4 +308,10 @@ class InlineBackend(Backend):
             )
 
     def _start_group(self, spec: GroupSpec) -> BackendGroup:
-        return InlineGroup(spec)
+        group = InlineGroup(spec)
+        if self.capabilities.batch_refs:
+            # Ranks live in this process: an exported shard stays the object it is.
+            for rank in group._state.ranks:
+                if rank.host is not None:
+                    rank.host.shards.exporter = dataplane.InlineExporter()
+        return group

@@ -43,6 +43,10 @@ class _RankActor:
     def setup(self, info: RankInfo, env: dict[str, str], cls_payload: wire.Payload) -> wire.Payload:
         self.rank = info.rank
         os.environ.update(env)
+        from podium.backends.ray.dataplane import RayExporter
+        from podium.core.dataplane import set_exporter
+
+        set_exporter(RayExporter())  # output="ref" shards go into the object store
         try:
             cls_with_init = wire.decode(cls_payload)
         except BaseException as exc:  # the user's class may fail to unpickle

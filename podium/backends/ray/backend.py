@@ -75,6 +75,7 @@ class RayBackend(Backend):
         call_timeout=True,
         detects_dead_workers=True,
         worker_env=True,
+        batch_refs=True,
     )
     options = (
         BackendOption(

@@ -83,6 +83,7 @@ class TorchrunBackend(Backend):
         cancels_timed_out_calls=True,
         detects_dead_workers=True,
         worker_env=True,
+        batch_refs=True,
     )
     options: ClassVar[Sequence[BackendOption]] = (
         BackendOption(

@@ -298,6 +298,11 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
         if shm_ok
         else None
     )
+    if shm_ok:  # output="ref" shards go into segments of this rank (removed with it)
+        from podium.backends.torchrun.dataplane import ShmExporter
+        from podium.core.dataplane import set_exporter
+
+        set_exporter(ShmExporter(_shm_prefix(f"w{rank}")))
     hello = {"rank": rank, "pid": os.getpid(), "host": _socket.gethostname(), "shm": shm_ok}
     send_frames(sock, [wire.head(wire.HELLO, hello)])
     host: WorkerHost | None = None

@@ -6,6 +6,7 @@ Subclass :class:`ConformanceSuite` in a test module and set ``backend_name``
 
 from podium.testing.conformance.base import BackendFixtures
 from podium.testing.conformance.contract_tests import ContractTests
+from podium.testing.conformance.dataplane_tests import DataPlaneTests
 from podium.testing.conformance.dispatch_tests import DispatchTests
 from podium.testing.conformance.errors_tests import ErrorTests
 from podium.testing.conformance.execution_tests import ExecutionTests
@@ -15,6 +16,7 @@ __all__ = [
     "BackendFixtures",
     "ConformanceSuite",
     "ContractTests",
+    "DataPlaneTests",
     "DispatchTests",
     "ErrorTests",
     "ExecutionTests",
@@ -22,5 +24,7 @@ __all__ = [
 ]
 
 
-class ConformanceSuite(DispatchTests, ExecutionTests, ErrorTests, LifecycleTests, ContractTests):
+class ConformanceSuite(
+    DispatchTests, ExecutionTests, ErrorTests, LifecycleTests, ContractTests, DataPlaneTests
+):
     """Every conformance test, sharing one set of started groups per class."""

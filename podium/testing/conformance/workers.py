@@ -225,6 +225,46 @@ class ConformanceWorker(Worker):
     def not_registered(self) -> int:
         return self.rank
 
+    # -- data plane -------------------------------------------------------------
+
+    def _stage(self, data: DataProto, scale: float) -> DataProto:
+        batch = data.batch
+        if batch is None:
+            raise ValueError("a data-plane stage needs a batch with 'x' or 'y'")
+        src = batch["y"] if "y" in batch.keys() else batch["x"]
+        out = data.select()
+        out.batch["y"] = src * scale + self.rank
+        out.batch["length"] = torch.full((len(data),), 10 + self.rank)
+        out.meta_info["stage"] = scale
+        return out
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, output="ref", row_meta=["length"])
+    def ref_stage(self, data: DataProto, scale: float = 2.0) -> DataProto:
+        return self._stage(data, scale)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def value_stage(self, data: DataProto, scale: float = 2.0) -> DataProto:
+        return self._stage(data, scale)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def received(self, data: Any) -> dict[str, Any]:
+        """What this rank was handed: its type, keys and row values."""
+        batch = data.batch if isinstance(data, DataProto) else data
+        keys = sorted(map(str, batch.keys())) if batch is not None else []
+        return {
+            "rank": self.rank,
+            "type": type(data).__name__,
+            "keys": keys + sorted(getattr(data, "non_tensor_batch", {})),
+            "len": len(data),
+            "uid": [str(u) for u in getattr(data, "non_tensor_batch", {}).get("uid", [])],
+        }
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def dataplane_stats(self, reset: bool = False) -> dict[str, int]:
+        from podium.core.dataplane import held_shards, transfer_stats
+
+        return {**transfer_stats(reset), **held_shards()}
+
 
 class LifecycleWorker(ConformanceWorker):
     """Appends ``shutdown <rank>`` to ``marker`` from its shutdown() hook, and
@@ -281,6 +321,16 @@ class MeshWorker(Worker):
         out.batch["tp"] = torch.full((len(out),), self.tp_rank)
         return out
 
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(MESH), output="ref")
+    def shard_ref(self, data: DataProto) -> DataProto:
+        return self.shard(data)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def mesh_stats(self, reset: bool = False) -> dict[str, int]:
+        from podium.core.dataplane import held_shards, transfer_stats
+
+        return {"dp": self.dp_rank, "tp": self.tp_rank, **transfer_stats(reset), **held_shards()}
+
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(MESH), blocking=False)
     def shard_async(self, data: DataProto) -> DataProto:
         out = data.select(batch_keys=["x"], deepcopy=True)
@@ -303,6 +353,10 @@ class ActorRole(Worker):
         out.batch["x"] *= 2
         return out
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, output="ref")
+    def score_ref(self, data: DataProto) -> DataProto:
+        return self.score(data)
+
 
 class CriticRole(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -314,3 +368,11 @@ class CriticRole(Worker):
         out = data.select(batch_keys=["x"], deepcopy=True)
         out.batch["x"] += 100
         return out
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def shares_memory(self, data: DataProto) -> dict[str, Any]:
+        """Whether the rows handed to this role are the very tensors a shard of this process holds."""
+        from podium.core.dataplane import held_data_ptrs
+
+        same = data.batch["x"].data_ptr() in held_data_ptrs()
+        return {"rank": self.rank, "same": same, "x": data.batch["x"].tolist()}
