@@ -15,7 +15,7 @@ from tensordict import TensorDict
 
 from podium import ClassWithInitArgs, DataProto, ResourcePool, Worker, WorkerGroup, register
 from podium.backends.torchrun import wire
-from podium.backends.torchrun.shm import Segment, SegmentMap, SegmentPool, unlink_prefix
+from podium.backends.torchrun.shm import Segment, SegmentMap, SegmentPool, _PageMap, unlink_prefix
 from podium.core.decorator import Dispatch
 
 N = 1 << 18  # float32: 1 MiB, through shared memory
@@ -150,6 +150,43 @@ def test_a_reader_writes_its_own_copy_and_sees_the_owners_next_message(pool: Seg
     finally:
         for reader in readers:
             reader.close()
+
+
+class _CountingPageMap(_PageMap):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def written_runs(self, address: int, pages: int) -> list[tuple[int, int]] | None:
+        self.reads += 1
+        return super().written_runs(address, pages)
+
+
+def test_a_part_only_read_is_released_without_walking_its_pages(pool: SegmentPool) -> None:
+    """Reading a reused segment costs no pagemap walk; a write still gets its pages dropped."""
+    reader = SegmentMap()
+    reader._pagemap = pagemap = _CountingPageMap()
+    try:
+        sums, walks = [], []
+        for step in range(5):
+            enc = wire.encode(torch.full((N,), float(step)))
+            desc, _ = wire.place(enc, pool)
+            wire.done_placing(enc, pool)
+            before = pagemap.reads
+            (t,) = wire.decode_objects([desc], [enc.header], reader)
+            if step == 2:
+                t[:10].add_(1.0)
+            sums.append(float(t.sum()))
+            del t
+            pool.release(reader.take_releases())
+            assert len(pool._free) == 1
+            walks.append(pagemap.reads - before)
+        assert sums == [0.0, N, 2.0 * N + 10, 3.0 * N, 4.0 * N]  # no stale private copy
+        # 0: first read maps the pages (faults); 2: a write; 3: the dropped page is mapped
+        # again. 1 and 4 read pages already mapped: nothing faulted, nothing to walk.
+        assert walks == [1, 0, 1, 1, 0]
+    finally:
+        reader.close()
 
 
 class OwnerWorker(Worker):

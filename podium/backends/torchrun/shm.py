@@ -24,6 +24,7 @@ from __future__ import annotations
 import glob
 import mmap
 import os
+import resource
 import threading
 import time
 import weakref
@@ -323,6 +324,12 @@ class _PageMap:
             self._fd, self._pid = None, os.getpid()  # closed for good in this process
 
 
+def _page_faults() -> int:
+    """Page faults of this process so far (every thread): a copy-on-write copy is one."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
+
+
 class SegmentMap:
     """Segments another process owns, mapped here on first use.
 
@@ -339,7 +346,9 @@ class SegmentMap:
     owner's next message in the segment shows through instead of the stale
     private copies; :class:`_PageMap` finds them in ``/proc/self/pagemap``
     (where it cannot be read, the whole part is dropped, which costs page
-    faults on the next message but is equally correct).
+    faults on the next message but is equally correct). A part released with
+    no page fault in this process since it was mapped was not written (a
+    write to a private page is a fault), so its pagemap is not read at all.
     """
 
     def __init__(self) -> None:
@@ -371,19 +380,25 @@ class SegmentMap:
         start = min(off for off, _ in places)
         end = max(off + n for off, n in places)
         base = np.frombuffer(m, dtype=np.uint8, count=end - start, offset=start)
-        weakref.finalize(base, self._done, name, m, start, end, base.ctypes.data - start)
+        weakref.finalize(
+            base, self._done, name, m, start, end, base.ctypes.data - start, _page_faults()
+        )
         return [base[off - start : off - start + n] for off, n in places]
 
-    def _done(self, name: str, m: mmap.mmap, start: int, end: int, address: int) -> None:
+    def _done(
+        self, name: str, m: mmap.mmap, start: int, end: int, address: int, faults: int
+    ) -> None:
         """The last view on ``[start, end)`` of ``name`` is gone: drop what was written, release."""
         if m.closed:
             return  # shutdown: nothing is reused any more
         lo = start - start % _PAGE
         hi = min(len(m), end + (-end) % _PAGE)
-        try:
-            runs = self._pagemap.written_runs(address + lo, (hi - lo) // _PAGE)
-        except OSError:
-            runs = None
+        runs: list[tuple[int, int]] | None = []
+        if _page_faults() != faults:  # something faulted: maybe a write here, look
+            try:
+                runs = self._pagemap.written_runs(address + lo, (hi - lo) // _PAGE)
+            except OSError:
+                runs = None
         if runs is None:  # unknown: drop them all
             runs = [(0, (hi - lo) // _PAGE)]
         try:
