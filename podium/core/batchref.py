@@ -37,7 +37,15 @@ from tensordict import TensorDict
 
 from podium.core._batch_utils import Key, normalize_index
 from podium.core.batching import register_batch_type
-from podium.core.dataplane import RowReference, ShardInfo, Transport, lost_detail, plan, read_local
+from podium.core.dataplane import (
+    RowReference,
+    ShardInfo,
+    Transport,
+    lost_detail,
+    plan,
+    publish_row_meta,
+    read_local,
+)
 from podium.core.protocol import DataProto
 from podium.errors import DataLostError
 
@@ -162,11 +170,18 @@ def keep_inputs(futures: Sequence[Any], args: Sequence[Any], kwargs: dict[str, A
             future._podium_inputs = refs
 
 
-def adopt(outputs: list[Any], group: BackendGroup, group_name: str) -> list[Any]:
+def adopt(
+    outputs: list[Any],
+    group: BackendGroup,
+    group_name: str,
+    row_meta: Sequence[str] = (),
+    method: str = "",
+) -> list[Any]:
     """Per-rank outputs of an ``output="ref"`` call, each as a one-shard ``BatchRef``.
 
     A rank that returned its output by value (a process without an exporter:
-    the fallback) gets a ``BatchRef`` whose shard the controller holds.
+    the fallback) gets a ``BatchRef`` whose shard the controller holds, with
+    the ``row_meta`` keys published as the rank would have.
     ``None`` (a rank that does not collect) stays ``None``.
     """
     out: list[Any] = []
@@ -185,7 +200,7 @@ def adopt(outputs: list[Any], group: BackendGroup, group_name: str) -> list[Any]
                 layout,
                 _HeldTransport(value),
                 meta,
-                {},
+                publish_row_meta(value, row_meta, method),
                 bool(getattr(value, "auto_padding", False)),
             )
             out.append(BatchRef._from_shard(ShardHandle(info, rank)))

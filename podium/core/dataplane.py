@@ -398,7 +398,7 @@ class ShardStore:
         exporter = self.exporter if self.exporter is not None else _exporter
         if exporter is None:
             return data
-        published = _row_meta(data, row_meta, method)
+        published = publish_row_meta(data, row_meta, method)
         layout, write = plan(data)
         shard_id = uuid.uuid4().hex
         transport, handle, local = exporter.export(shard_id, data, layout, write)
@@ -471,9 +471,10 @@ def find_store(uid: str) -> ShardStore | None:
         return _stores.get(uid)
 
 
-def _row_meta(
+def publish_row_meta(
     data: DataProto | TensorDictBase, names: Sequence[str], method: str
 ) -> dict[str, np.ndarray]:
+    """The 1-D ``names`` of an output, one value per row, as ``BatchRef.row_meta`` holds them."""
     out: dict[str, np.ndarray] = {}
     for name in names:
         value: Any

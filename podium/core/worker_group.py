@@ -234,7 +234,7 @@ class WorkerGroup:
                 keep_inputs([future], args, kwargs)
                 return future
             value = strip_pads([get(future, timeout)])[0][0]
-            return adopt([value], self._group, self.name_prefix)[0] if spec.output == "ref" else value
+            return adopt([value], self._group, self.name_prefix, spec.row_meta, name)[0] if spec.output == "ref" else value
 
         futures = self._live_group().submit(
             target, _per_rank_calls(tuple(d_args), dict(d_kwargs), self.world_size), timeout=timeout
@@ -247,7 +247,7 @@ class WorkerGroup:
         # Rows padded in the workers (a future's shards) come back with the outputs.
         outputs, worker_pad = strip_pads(get(futures, timeout))
         if spec.output == "ref":  # each rank kept its output: one-shard BatchRefs, collected as data
-            outputs = adopt(outputs, self._group, self.name_prefix)
+            outputs = adopt(outputs, self._group, self.name_prefix, spec.row_meta, name)
         return unpad(mode.collect_fn(self, outputs), pad or worker_pad)
 
     def _future_collect(self, mode: DispatchMode, pad: int) -> Callable[[list[Any]], Any]:
