@@ -59,6 +59,8 @@ __all__ = ["RayBackend"]
 LOCAL_MIN_CPUS = 64
 LOCAL_GCS_RECONNECT_S = 5
 _GCS_RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
+# Ray starts its workers at niceness 15 by default; podium's are the job, not background work.
+_WORKER_NICENESS_ENV = "RAY_worker_niceness"
 
 
 class RayBackend(Backend):
@@ -175,9 +177,17 @@ class RayBackend(Backend):
         # sooner, and a watcher kills what is left (see podium.backends.ray.reaper).
         # Both are environment variables of the processes Ray starts, so they are set
         # only while ray.init starts them.
-        env = {_GCS_RECONNECT_ENV: str(LOCAL_GCS_RECONNECT_S), **reaper.start_watcher()}
-        if _GCS_RECONNECT_ENV in os.environ:
-            del env[_GCS_RECONNECT_ENV]  # the user's own setting wins
+        # Ray also starts its workers at niceness 15, below the controller and below a
+        # torchrun worker: on a busy host they get a fraction of the CPU. A local Ray
+        # podium starts runs them at the controller's own priority.
+        env = {
+            _GCS_RECONNECT_ENV: str(LOCAL_GCS_RECONNECT_S),
+            _WORKER_NICENESS_ENV: "0",
+            **reaper.start_watcher(),
+        }
+        for user_set in (_GCS_RECONNECT_ENV, _WORKER_NICENESS_ENV):
+            if user_set in os.environ:
+                del env[user_set]  # the user's own setting wins
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
