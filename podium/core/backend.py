@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from podium.core.worker import ClassWithInitArgs
 
 __all__ = [
+    "BACKEND_NAME_ENV",
+    "PREFIX_ENV",
     "RESERVED_ENV",
     "Backend",
     "BackendGroup",
@@ -54,6 +56,10 @@ OPTIONS_ENV = "PODIUM_BACKEND_OPTIONS"
 KNOWN_EXTRAS = {"ray": "podium[ray]", "torchrun": "podium[torchrun]"}
 # Per-rank variables a backend sets; worker_env may not override them.
 RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Per-group variables WorkerGroup adds to ``worker_env`` on backends with
+# ``Capabilities.worker_env`` (the names verl's utilities read); a user's own value wins.
+PREFIX_ENV = "WG_PREFIX"  # the group's name_prefix
+BACKEND_NAME_ENV = "WG_BACKEND"  # the backend's name
 
 
 @dataclass(frozen=True, kw_only=True)

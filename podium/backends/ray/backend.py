@@ -43,7 +43,14 @@ from podium.backends.ray.placement import (
     ip_sort_key,
     reserve,
 )
-from podium.core.backend import Backend, BackendOption, Capabilities, GroupSpec
+from podium.core.backend import (
+    BACKEND_NAME_ENV,
+    PREFIX_ENV,
+    Backend,
+    BackendOption,
+    Capabilities,
+    GroupSpec,
+)
 from podium.core.resource import ResourcePool
 from podium.core.worker import ClassWithInitArgs, RankInfo, colocated_roles
 from podium.core.worker_group import registered_methods
@@ -241,7 +248,12 @@ class RayBackend(Backend):
                 "namespace": self.config["namespace"],
                 "max_concurrency": 1,
             }
-            runtime_env = _runtime_env(self.config["runtime_env"], spec.worker_env)
+            # The group's own names (WG_PREFIX, WG_BACKEND) are set by setup() below, like
+            # the rank variables: in runtime_env they would make each group's env distinct.
+            runtime_env = _runtime_env(
+                self.config["runtime_env"],
+                {k: v for k, v in spec.worker_env.items() if k not in _GROUP_ENV},
+            )
             if runtime_env:
                 base["runtime_env"] = runtime_env
             rank_actor = actor_class(_targets(spec.cls_with_init))
@@ -299,6 +311,9 @@ class RayBackend(Backend):
                     "LOCAL_WORLD_SIZE": str(local_sizes[rank]),
                     "MASTER_ADDR": ip,
                     "MASTER_PORT": str(port),
+                    # verl's utilities read these on Ray.
+                    "RAY_LOCAL_RANK": str(local_ranks[rank]),
+                    "RAY_LOCAL_WORLD_SIZE": str(local_sizes[rank]),
                 }
                 refs.append(actor.setup.remote(info, env, cls_payload))
             for payload in self._wait_start(refs, list(range(len(actors))), deadline):
@@ -447,6 +462,9 @@ def _actual_layout(nodes: list[tuple[str, str]]) -> tuple[list[int], list[int], 
         local_ranks.append(seen.get(node, 0))
         seen[node] = local_ranks[-1] + 1
     return local_ranks, [seen[n] for n in nodes], [order[n] for n in nodes]
+
+
+_GROUP_ENV = (PREFIX_ENV, BACKEND_NAME_ENV)
 
 
 def _runtime_env(base: dict[str, Any] | None, worker_env: dict[str, str] | Any) -> dict[str, Any]:
