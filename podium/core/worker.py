@@ -69,6 +69,14 @@ class Worker:
     _podium_rank_info: RankInfo
     _podium_mesh: dict[str, tuple[int, bool]]
 
+    max_async_calls: ClassVar[int] = 16
+    """How many ``async def`` calls one rank runs at once. Async methods run on
+    an event loop that each rank keeps running (in a thread of its own) from
+    its first async call until it stops, so a task one call starts keeps
+    running between calls. On backends with ``Capabilities.concurrent_async_calls``
+    a rank starts its next calls while an async call awaits; elsewhere its
+    calls still run one at a time (the loop keeps running between them)."""
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         obj = super().__new__(cls)
         info = _constructing_rank.get()

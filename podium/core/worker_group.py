@@ -197,6 +197,21 @@ class WorkerGroup:
     def capabilities(self) -> Any:
         return self._backend.capabilities
 
+    @property
+    def backend_handles(self) -> Any:
+        """The backend's native objects behind this group's ranks, in rank order (an escape hatch).
+
+        For code that needs the backend itself -- starting server actors next to
+        the workers, reading their placement. A typed record per backend:
+        :class:`podium.backends.ray.RayHandles` (actor handles, placement groups,
+        bundle indices), :class:`podium.backends.torchrun.TorchrunHandles`
+        (process ids, hosts), :class:`podium.backends.inline.InlineHandles`
+        (the worker objects). Using them ties the code to that backend; podium's
+        own calls never need them. A view from ``spawn``/``fuse`` returns its
+        group's handles.
+        """
+        return self._live_group().handles()
+
     # -- registered methods --------------------------------------------------
 
     def __getattr__(self, name: str) -> Any:

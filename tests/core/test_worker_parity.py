@@ -4,7 +4,9 @@ per-group environment names."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from podium import (
     Worker,
     WorkerGroup,
     create_colocated_worker_raw_cls,
+    get,
     make_nd_compute_dataproto_dispatch_fn,
     register,
 )
@@ -184,3 +187,82 @@ def test_the_raw_fused_class_validates_its_roles() -> None:
         create_colocated_worker_raw_cls({})
     with pytest.raises(TypeError, match="ClassWithInitArgs"):
         create_colocated_worker_raw_cls({"actor": ActorRole})  # type: ignore[dict-item]
+
+
+class AsyncWorker(Worker):
+    max_async_calls = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ticks = 0
+        self.running = 0
+        self.most = 0
+        self.task: Any = None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    async def start_ticking(self) -> None:
+        async def tick() -> None:
+            while True:
+                self.ticks += 1
+                await asyncio.sleep(0.005)
+
+        self.task = asyncio.get_running_loop().create_task(tick())
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def ticks_now(self) -> int:
+        return self.ticks
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    async def hold(self, seconds: float) -> int:
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self.running -= 1
+        return self.most
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def hold_async(self, seconds: float) -> int:
+        return await self.hold(seconds)
+
+
+def test_a_task_started_by_an_async_call_keeps_running_between_calls() -> None:
+    with WorkerGroup(pool(2), ClassWithInitArgs(AsyncWorker), backend="inline") as wg:
+        wg.start_ticking()
+        first = wg.ticks_now()
+        time.sleep(0.2)  # no call runs meanwhile: the loop keeps going on its own
+        later = wg.ticks_now()
+        assert all(b > a + 5 for a, b in zip(first, later))
+
+
+def test_async_calls_overlap_up_to_max_async_calls() -> None:
+    with WorkerGroup(pool(1), ClassWithInitArgs(AsyncWorker), backend="inline") as wg:
+        started = time.monotonic()
+        futures = [wg.hold_async(0.3) for _ in range(4)]
+        assert wg.ticks_now() == [0]  # a sync call is not stuck behind the async ones
+        assert time.monotonic() - started < 0.25
+        most = max(get(f)[0] for f in futures)
+        # Four calls of 0.3 s, two at a time: about 0.6 s, never more than two at once.
+        assert most == 2
+        assert 0.5 < time.monotonic() - started < 1.1
+
+
+def test_inline_native_handles_are_the_worker_objects() -> None:
+    from podium.backends.inline import InlineHandles
+
+    with WorkerGroup(pool(2), ClassWithInitArgs(Fused), backend="inline") as wg:
+        wg.fuse(["actor"])
+        handles = wg.backend_handles
+        assert isinstance(handles, InlineHandles) and wg.actor.backend_handles == handles
+        assert [type(w) for w in handles.workers] == [Fused, Fused]
+        assert [w.actor.rank for w in handles.workers] == [0, 1]
+
+
+def test_pool_takes_verls_remaining_positional_arguments_at_their_defaults() -> None:
+    p = ResourcePool([2], False, "named", 2, False, None)
+    assert (p.world_size, p.use_gpu, p.name_prefix, p.max_colocate_count) == (2, False, "named", 2)
+    with pytest.raises(ValueError, match="WorkerGroup.attach"):
+        ResourcePool([2], False, None, 1, True)
+    with pytest.raises(ValueError, match="accelerator_type"):
+        ResourcePool([2], True, None, 1, False, "H100")

@@ -20,6 +20,7 @@ the "can this cluster ever hold the pool" check and waits ``placement_timeout``.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import time
@@ -51,6 +52,7 @@ from podium.core.backend import (
     Capabilities,
     GroupSpec,
 )
+from podium.core.host import has_async_methods, is_async_target, max_async_calls
 from podium.core.resource import ResourcePool
 from podium.core.worker import ClassWithInitArgs, RankInfo, colocated_roles
 from podium.core.worker_group import registered_methods
@@ -85,6 +87,7 @@ class RayBackend(Backend):
         detects_dead_workers=True,
         worker_env=True,
         batch_refs=True,
+        concurrent_async_calls=True,
     )
     options = (
         BackendOption(
@@ -256,7 +259,11 @@ class RayBackend(Backend):
             )
             if runtime_env:
                 base["runtime_env"] = runtime_env
-            rank_actor = actor_class(_targets(spec.cls_with_init))
+            overlap = has_async_methods(spec.cls_with_init)
+            rank_actor = actor_class(
+                _targets(spec.cls_with_init),
+                max_async_calls(spec.cls_with_init.cls) if overlap else 0,
+            )
             for rank, place in enumerate(places):
                 strategy = PlacementGroupSchedulingStrategy(
                     place.pg,
@@ -336,6 +343,8 @@ class RayBackend(Backend):
             log_paths=[w[3] for w in where],
             nodes=[w[4] for w in where],
             stop_timeout=float(self.config["stop_timeout"]),
+            is_async=functools.partial(is_async_target, spec.cls_with_init) if overlap else None,
+            places=[(place.pg, place.bundle) for place in places],
         )
         self._groups.add(group)
         return group
