@@ -373,12 +373,17 @@ def has_async_methods(cls_with_init: ClassWithInitArgs[Any]) -> bool:
     """Whether the worker (or any colocated role) a constructor builds has an ``async def`` method."""
     roles = colocated_roles(cls_with_init)
     classes = [cls_with_init.cls] + [role.cls for role in (roles or {}).values()]
-    return any(
-        inspect.iscoroutinefunction(getattr(cls, name, None))
-        for cls in classes
-        for name in dir(cls)
-        if not name.startswith("__")
-    )
+    for cls in classes:
+        for name in dir(cls):
+            if name.startswith("__"):
+                continue
+            try:
+                value = getattr(cls, name, None)
+            except Exception:  # a class-level descriptor that refuses to be read
+                continue
+            if inspect.iscoroutinefunction(value):
+                return True
+    return False
 
 
 def _materialize(value: Any) -> Any:

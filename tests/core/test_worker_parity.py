@@ -266,3 +266,19 @@ def test_pool_takes_verls_remaining_positional_arguments_at_their_defaults() -> 
         ResourcePool([2], False, None, 1, True)
     with pytest.raises(ValueError, match="accelerator_type"):
         ResourcePool([2], True, None, 1, False, "H100")
+
+
+def test_async_targets_are_known_from_the_class_and_the_bound_is_checked() -> None:
+    from podium.backend_api import is_async_target, max_async_calls
+
+    fused = ClassWithInitArgs(Fused)
+    assert is_async_target(ClassWithInitArgs(AsyncWorker), "hold")
+    assert not is_async_target(ClassWithInitArgs(AsyncWorker), "ticks_now")
+    assert not is_async_target(fused, "actor:step") and not is_async_target(fused, "nobody:step")
+    assert max_async_calls(AsyncWorker) == 2 and max_async_calls(Worker) == 16
+
+    class Unbounded(AsyncWorker):
+        max_async_calls = 0
+
+    with pytest.raises(ValueError, match="max_async_calls must be an int >= 1"):
+        WorkerGroup(pool(1), ClassWithInitArgs(Unbounded), backend="inline")
