@@ -34,7 +34,12 @@ from podium.core.resource import (
     split_resource_pool,
 )
 from podium.core.resource_manager import ResourcePoolManager
-from podium.core.worker import ClassWithInitArgs, Worker, create_colocated_worker_cls
+from podium.core.worker import (
+    ClassWithInitArgs,
+    Worker,
+    create_colocated_worker_cls,
+    create_colocated_worker_raw_cls,
+)
 from podium.core.worker_group import WorkerGroup
 from podium.errors import (
     CallTimeoutError,
@@ -81,6 +86,7 @@ __all__ = [
     "__version__",
     "available_backends",
     "create_colocated_worker_cls",
+    "create_colocated_worker_raw_cls",
     "get",
     "get_predefined_dispatch_fn",
     "get_predefined_execute_fn",

@@ -104,6 +104,19 @@ Lifetime and threads
 18. One backend instance is shared by every group with the same name and
     options in a process (``load_backend``); ``start_group``, ``submit`` and
     ``shutdown`` are called from several threads at once and must be safe.
+
+Async calls and native handles
+------------------------------
+19. ``async def`` targets: ``WorkerHost.run`` waits for the coroutine, which
+    runs on the rank's event loop (kept running between calls by the host),
+    so rule 9 needs nothing more. A backend that declares
+    ``Capabilities.concurrent_async_calls`` runs each target for which
+    :func:`is_async_target` is true in a thread of its own (at most
+    :func:`max_async_calls` of the worker class at once), so the rank starts
+    its next calls while it awaits; other calls keep rule 9.
+20. ``BackendGroup.handles()`` (optional) returns a typed record of the
+    backend's native objects per rank (``WorkerGroup.backend_handles``); the
+    default raises ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -127,6 +140,8 @@ from podium.core.host import (
     RemoteFailure,
     WorkerHost,
     crossing_failure,
+    is_async_target,
+    max_async_calls,
 )
 from podium.core.resource import ResourcePool
 from podium.core.serialization import dumps, loads
@@ -167,7 +182,9 @@ __all__ = [
     "WorkerStartupError",
     "crossing_failure",
     "dumps",
+    "is_async_target",
     "loads",
+    "max_async_calls",
     "rank_infos",
 ]
 

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from podium.core.worker import ClassWithInitArgs
 
 __all__ = [
+    "BACKEND_NAME_ENV",
+    "PREFIX_ENV",
     "RESERVED_ENV",
     "Backend",
     "BackendGroup",
@@ -54,6 +56,10 @@ OPTIONS_ENV = "PODIUM_BACKEND_OPTIONS"
 KNOWN_EXTRAS = {"ray": "podium[ray]", "torchrun": "podium[torchrun]"}
 # Per-rank variables a backend sets; worker_env may not override them.
 RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Per-group variables WorkerGroup adds to ``worker_env`` on backends with
+# ``Capabilities.worker_env`` (the names verl's utilities read); a user's own value wins.
+PREFIX_ENV = "WG_PREFIX"  # the group's name_prefix
+BACKEND_NAME_ENV = "WG_BACKEND"  # the backend's name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +86,9 @@ class Capabilities:
     """A worker that dies is a ``WorkerDiedError`` at the controller."""
     worker_env: bool = False
     """``worker_env`` sets variables in each rank's own environment."""
+    concurrent_async_calls: bool = False
+    """A rank starts its next calls while an ``async def`` call awaits (up to the worker's
+    ``max_async_calls`` at once); without it a rank's calls run one at a time, async or not."""
     batch_refs: bool = False
     """``output="ref"`` keeps outputs in the ranks and a ``BatchRef`` argument is read worker to worker;
     without it the controller holds the rows (same results, data through the controller)."""
@@ -141,6 +150,18 @@ class BackendGroup(ABC):
     @abstractmethod
     def submit(self, target: str, calls: Sequence[RankCall], *, timeout: float | None = None) -> list[RankFuture]:
         """Start ``target`` (``"method"`` or ``"role:method"``) on the given ranks."""
+
+    def handles(self) -> Any:
+        """This group's native objects, for code that needs the backend itself (an escape hatch).
+
+        Each backend returns a typed record it documents (Ray: actor handles,
+        placement groups and bundle indices; torchrun: process ids and hosts;
+        inline: the worker objects), reached as ``WorkerGroup.backend_handles``.
+        Optional: the default raises ``NotImplementedError`` naming the backend.
+        """
+        raise NotImplementedError(
+            f"{type(self).__qualname__} exposes no native handles (BackendGroup.handles() is optional)"
+        )
 
     def shutdown(self) -> None:
         if getattr(self, "_podium_closed", False):

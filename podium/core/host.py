@@ -11,7 +11,11 @@ runs ``async def`` methods, and turns a user exception into a picklable
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import inspect
+import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +26,13 @@ from podium.core import dataplane
 from podium.core.decorator import get_method_spec
 from podium.core.dispatch import PaddedResult, finish_worker_pads, start_worker_pads
 from podium.core.futures import DataProtoFuture
-from podium.core.worker import ClassWithInitArgs, ColocatedWorker, RankInfo, _constructing_rank
+from podium.core.worker import (
+    ClassWithInitArgs,
+    ColocatedWorker,
+    RankInfo,
+    _constructing_rank,
+    colocated_roles,
+)
 from podium.errors import RemoteError, exception_parts, make_remote_error, rebuild_exception
 
 __all__ = [
@@ -34,6 +44,9 @@ __all__ = [
     "RemoteFailure",
     "WorkerHost",
     "crossing_failure",
+    "has_async_methods",
+    "is_async_target",
+    "max_async_calls",
     "split_target",
 ]
 
@@ -130,12 +143,18 @@ class WorkerHost:
     def __init__(self, info: RankInfo, cls_with_init: ClassWithInitArgs[Any]) -> None:
         self.info = info
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._loop_lock = threading.Lock()
+        self._slots: asyncio.Semaphore | None = None  # created on the loop, at its first call
         self.shards = dataplane.ShardStore()  # outputs of output="ref" calls kept here
         token = _constructing_rank.set(info)
         try:
             self.worker = cls_with_init()
         finally:
             _constructing_rank.reset(token)
+        # The CUDA device is per thread: the loop's thread takes the one the
+        # rank's main thread chose (the backend, or the worker's constructor).
+        self._cuda_device = _current_cuda_device()
 
     @classmethod
     def start(cls, info: RankInfo, cls_with_init: ClassWithInitArgs[Any]) -> tuple[WorkerHost | None, Outcome]:
@@ -207,11 +226,69 @@ class WorkerHost:
         return self.shards.export(result, row_meta, target)
 
     def _run_async(self, awaitable: Any) -> Any:
-        # One loop per host for its whole life, so objects bound to it (clients,
-        # queues) created by one async method can be used by the next.
-        if self._loop is None or self._loop.is_closed():
-            self._loop = asyncio.new_event_loop()
-        return self._loop.run_until_complete(awaitable)
+        """Run ``awaitable`` on the rank's event loop and wait for it in this thread.
+
+        The loop runs in a thread of its own from the first async call until
+        the host closes, so a task one call starts keeps running between calls,
+        and objects bound to the loop (clients, queues) serve every later call.
+        At most ``max_async_calls`` calls of the worker run on it at once (a
+        backend that overlaps async calls runs each in its own thread).
+        """
+        loop = self._event_loop()
+        ctx = contextvars.copy_context()  # the call's rank, store and pads, in the loop's task
+        ready: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def start() -> None:
+            # A task copies the context it is created in: the caller's, through ctx.
+            task = ctx.run(loop.create_task, self._bounded(awaitable))
+            _chain(task, ready)
+
+        loop.call_soon_threadsafe(start)
+        return ready.result()
+
+    async def _bounded(self, awaitable: Any) -> Any:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(max_async_calls(type(self.worker)))
+        async with self._slots:
+            return await awaitable
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        with self._loop_lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                thread = threading.Thread(
+                    target=_run_loop,
+                    args=(loop, self._cuda_device),
+                    name=f"podium-rank{self.info.rank}-loop",
+                    daemon=True,
+                )
+                thread.start()
+                self._loop, self._loop_thread = loop, thread
+            return self._loop
+
+    def _stop_loop(self) -> None:
+        """Cancel the tasks still on the loop (bounded wait), stop it and close it."""
+        with self._loop_lock:
+            loop, thread = self._loop, self._loop_thread
+            self._loop = self._loop_thread = None
+        if loop is None or thread is None:
+            return
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=LOOP_STOP_S)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(LOOP_STOP_S + 1)
+        except Exception:  # a task that ignores cancellation: stop the loop anyway
+            pass
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(LOOP_STOP_S)
+        if not thread.is_alive():
+            loop.close()
 
     def close(self) -> RemoteFailure | None:
         """Run the worker's ``shutdown()`` hook (once), then close the event loop.
@@ -229,10 +306,84 @@ class WorkerHost:
                     self._run_async(result)
             except Exception as exc:
                 failure = RemoteFailure.capture(exc, self.info.rank, "shutdown")
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.close()
+        self._stop_loop()
         self.shards.close()
         return failure
+
+
+def _chain(task: asyncio.Future[Any], ready: concurrent.futures.Future[Any]) -> None:
+    """Complete ``ready`` (waited on in another thread) with ``task``'s outcome."""
+
+    def done(t: asyncio.Future[Any]) -> None:
+        if t.cancelled():
+            ready.set_exception(asyncio.CancelledError("the call was cancelled: its rank is shutting down"))
+        elif t.exception() is not None:
+            ready.set_exception(t.exception())
+        else:
+            ready.set_result(t.result())
+
+    task.add_done_callback(done)
+
+
+def _current_cuda_device() -> int | None:
+    """This thread's CUDA device, when this process has set CUDA up (never initializes it)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return int(torch.cuda.current_device())
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop, cuda_device: int | None) -> None:
+    if cuda_device is not None:
+        sys.modules["torch"].cuda.set_device(cuda_device)
+    asyncio.set_event_loop(loop)
+    loop.run_forever()
+
+
+DEFAULT_MAX_ASYNC_CALLS = 16
+LOOP_STOP_S = 5.0  # how long close() waits for the loop's tasks to end once cancelled
+
+
+def max_async_calls(cls: type) -> int:
+    """How many ``async def`` calls a rank of ``cls`` runs at once (``Worker.max_async_calls``)."""
+    value = getattr(cls, "max_async_calls", DEFAULT_MAX_ASYNC_CALLS)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{cls.__qualname__}.max_async_calls must be an int >= 1, got {value!r}")
+    return value
+
+
+def is_async_target(cls_with_init: ClassWithInitArgs[Any], target: str) -> bool:
+    """Whether ``target`` of a group built by ``cls_with_init`` is an ``async def`` method.
+
+    Backends that overlap async calls (``Capabilities.concurrent_async_calls``)
+    ask this at the controller to route the call; the answer comes from the
+    class, so it is known before any rank runs.
+    """
+    role, name = split_target(target)
+    cls: type = cls_with_init.cls
+    if role is not None:
+        roles = colocated_roles(cls_with_init)
+        if roles is None or role not in roles:
+            return False
+        cls = roles[role].cls
+    return inspect.iscoroutinefunction(getattr(cls, name, None))
+
+
+def has_async_methods(cls_with_init: ClassWithInitArgs[Any]) -> bool:
+    """Whether the worker (or any colocated role) a constructor builds has an ``async def`` method."""
+    roles = colocated_roles(cls_with_init)
+    classes = [cls_with_init.cls] + [role.cls for role in (roles or {}).values()]
+    for cls in classes:
+        for name in dir(cls):
+            if name.startswith("__"):
+                continue
+            try:
+                value = getattr(cls, name, None)
+            except Exception:  # a class-level descriptor that refuses to be read
+                continue
+            if inspect.iscoroutinefunction(value):
+                return True
+    return False
 
 
 def _materialize(value: Any) -> Any:

@@ -48,7 +48,10 @@ class ResourcePool:
     """A logical pool of process slots over nodes.
 
     The positional order is verl's ``RayResourcePool``: ``(process_on_nodes,
-    use_gpu, name_prefix, max_colocate_count)``.
+    use_gpu, name_prefix, max_colocate_count, detached, accelerator_type)``.
+    ``detached`` and ``accelerator_type`` are accepted at their defaults only:
+    a pool outlives its controller through named workers
+    (``WorkerGroup.attach``), and a backend chooses devices by its own options.
     """
 
     def __init__(
@@ -57,9 +60,23 @@ class ResourcePool:
         use_gpu: bool = True,
         name_prefix: str | None = None,
         max_colocate_count: int = 1,
+        detached: bool = False,
+        accelerator_type: str | None = None,
         *,
         _slots: list[Slot] | None = None,
     ) -> None:
+        if detached is not False:
+            raise ValueError(
+                "ResourcePool(detached=True) is not supported: start the group with a name_prefix on a "
+                "backend with named workers (Ray) and reach it from another controller with "
+                "WorkerGroup.attach(name_prefix, WorkerClass)"
+            )
+        if accelerator_type is not None:
+            raise ValueError(
+                f"ResourcePool(accelerator_type={accelerator_type!r}) is not supported: pools ask for "
+                "GPUs with use_gpu=True; which accelerator a rank gets is the cluster's and backend's "
+                "setting (CUDA_VISIBLE_DEVICES, the nodes you start)"
+            )
         nodes = list(process_on_nodes)
         if not nodes or any(not isinstance(n, int) or isinstance(n, bool) or n <= 0 for n in nodes):
             raise ValueError(

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import difflib
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from podium.core.backend import Backend, BackendGroup, GroupSpec, RankCall, resolve_backend
+from podium.core.backend import (
+    BACKEND_NAME_ENV,
+    PREFIX_ENV,
+    Backend,
+    BackendGroup,
+    GroupSpec,
+    RankCall,
+    resolve_backend,
+)
 from podium.core.batching import unpad
 from podium.core.batchref import BatchRef, adopt, flush_releases, keep_inputs
 from podium.core.decorator import (
@@ -78,14 +87,27 @@ class WorkerGroup:
     def __init__(
         self,
         resource_pool: ResourcePool,
-        cls_with_init: ClassWithInitArgs[Any],
+        cls_with_init: ClassWithInitArgs[Any] | None = None,
         *,
         backend: Backend | str | None = None,
         name_prefix: str | None = None,
         worker_env: Mapping[str, str] | None = None,
         backend_options: Mapping[str, Any] | None = None,
         call_timeout: float | None = None,
+        ray_cls_with_init: ClassWithInitArgs[Any] | None = None,
     ) -> None:
+        if ray_cls_with_init is not None:
+            if cls_with_init is not None:
+                raise TypeError("pass cls_with_init or ray_cls_with_init (its old name), not both")
+            warnings.warn(
+                "WorkerGroup(ray_cls_with_init=...) is the verl spelling; pass cls_with_init= "
+                "(or the constructor as the second positional argument)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            cls_with_init = ray_cls_with_init
+        if cls_with_init is None:
+            raise TypeError("WorkerGroup needs cls_with_init: ClassWithInitArgs(MyWorker, ...)")
         if not isinstance(resource_pool, ResourcePool):
             raise TypeError(f"resource_pool must be a ResourcePool, got {type(resource_pool).__name__}")
         if not isinstance(cls_with_init, ClassWithInitArgs):
@@ -95,11 +117,17 @@ class WorkerGroup:
             )
         _check_timeout(call_timeout)
         self._backend = resolve_backend(backend, backend_options)
+        name_prefix = name_prefix or _default_name(cls_with_init)
+        env = dict(worker_env or {})
+        if self._backend.capabilities.worker_env:
+            # The names verl's utilities read in a worker; the user's own values win.
+            env.setdefault(PREFIX_ENV, name_prefix)
+            env.setdefault(BACKEND_NAME_ENV, self._backend.name)
         spec = GroupSpec(
             pool=resource_pool,
             cls_with_init=cls_with_init,
-            name_prefix=name_prefix or _default_name(cls_with_init),
-            worker_env=dict(worker_env or {}),
+            name_prefix=name_prefix,
+            worker_env=env,
         )
         group = self._backend.start_group(spec)
         # A group dropped without shutdown() (its last reference gone, or the
@@ -168,6 +196,21 @@ class WorkerGroup:
     @property
     def capabilities(self) -> Any:
         return self._backend.capabilities
+
+    @property
+    def backend_handles(self) -> Any:
+        """The backend's native objects behind this group's ranks, in rank order (an escape hatch).
+
+        For code that needs the backend itself -- starting server actors next to
+        the workers, reading their placement. A typed record per backend:
+        :class:`podium.backends.ray.RayHandles` (actor handles, placement groups,
+        bundle indices), :class:`podium.backends.torchrun.TorchrunHandles`
+        (process ids, hosts), :class:`podium.backends.inline.InlineHandles`
+        (the worker objects). Using them ties the code to that backend; podium's
+        own calls never need them. A view from ``spawn``/``fuse`` returns its
+        group's handles.
+        """
+        return self._live_group().handles()
 
     # -- registered methods --------------------------------------------------
 
@@ -338,6 +381,24 @@ class WorkerGroup:
             view.resource_pool = getattr(self, "resource_pool", None)
             view.name_prefix = f"{self.name_prefix}:{role}"
             views[role] = view
+        return views
+
+    def fuse(self, prefixes: Iterable[str]) -> dict[str, WorkerGroup]:
+        """Make each colocated role a view attribute of this group: ``wg.actor.update(...)``.
+
+        The views are :meth:`spawn`'s (same processes, same machinery); the
+        fused group keeps its own registered methods. A role whose name is
+        already an attribute or a registered method of the group is refused.
+        """
+        names = list(prefixes)
+        taken = [n for n in names if n in self._methods or hasattr(type(self), n)]
+        if taken:
+            raise ValueError(
+                f"cannot fuse roles {taken}: the group already has attributes of those names; "
+                "use wg.spawn(...) and keep the views in your own variables"
+            )
+        views = self.spawn(names)
+        self.__dict__.update(views)
         return views
 
     # -- lifecycle -----------------------------------------------------------

@@ -35,3 +35,40 @@ def test_workers_of_a_local_ray_run_at_the_controllers_priority() -> None:
         ResourcePool([2], use_gpu=False), ClassWithInitArgs(Niceness), backend="ray"
     ) as wg:
         assert wg.niceness() == [os.nice(0)] * 2
+
+
+class RayEnv(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def ray_env(self) -> dict[str, str | None]:
+        names = ("RAY_LOCAL_RANK", "RAY_LOCAL_WORLD_SIZE", "WG_PREFIX", "WG_BACKEND")
+        return {name: os.environ.get(name) for name in names}
+
+
+def test_ray_ranks_have_verls_variables_and_their_native_handles_are_reachable() -> None:
+    import ray
+
+    from podium.backends.ray import RayHandles
+
+    with WorkerGroup(
+        ResourcePool([2], use_gpu=False),
+        ClassWithInitArgs(RayEnv),
+        backend="ray",
+        name_prefix="verl_env",
+    ) as wg:
+        assert wg.ray_env() == [
+            {
+                "RAY_LOCAL_RANK": str(r),
+                "RAY_LOCAL_WORLD_SIZE": "2",
+                "WG_PREFIX": "verl_env",
+                "WG_BACKEND": "ray",
+            }
+            for r in range(2)
+        ]
+        handles = wg.backend_handles
+        assert isinstance(handles, RayHandles)
+        assert len(handles.actors) == len(handles.placement_groups) == 2
+        assert sorted(handles.bundle_indices) == [0, 1]
+        pids = ray.get([a.where.remote() for a in handles.actors])
+        assert [w[2] for w in pids] == handles.pids
+        table = ray.util.placement_group_table(handles.placement_groups[0])
+        assert table["state"] == "CREATED"

@@ -13,6 +13,9 @@ contract holds as on process backends:
    thread that frees the rank, or in the thread that waits for its result,
    whichever comes first (a worker method that calls its own rank again from
    the same thread runs at once, where a process backend would deadlock).
+   An ``async def`` call starts in that order too, then waits for its
+   coroutine (on the rank's event loop) in a thread of its own, so the rank
+   goes on to its next calls (``Capabilities.concurrent_async_calls``).
 2. ``sys.exit()`` (``SystemExit``) in a worker method is that rank's death:
    :class:`podium.errors.WorkerDiedError`, and the group is unusable, as when a
    worker process exits. ``os._exit()`` cannot be caught in-process: it ends
@@ -36,6 +39,8 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,6 +56,8 @@ from podium.core.host import (
     Outcome,
     WorkerHost,
     crossing_failure,
+    is_async_target,
+    max_async_calls,
 )
 from podium.core.resource import ResourcePool
 from podium.core.serialization import copy_via_pickle, dumps_in_process, loads
@@ -61,7 +68,7 @@ from podium.errors import (
     WorkerStartupError,
 )
 
-__all__ = ["InlineBackend"]
+__all__ = ["InlineBackend", "InlineHandles"]
 
 log = logging.getLogger("podium.inline")
 
@@ -76,6 +83,7 @@ class InlineFuture(RankFuture):
         self._outcome: Outcome | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
+        self._handed_off = False  # an async call: its rank moved on; it finishes in its own thread
 
     def _finish(self, outcome: Outcome | None, error: BaseException | None) -> None:
         self._outcome, self._error = outcome, error
@@ -85,7 +93,9 @@ class InlineFuture(RankFuture):
     def result(self, timeout: float | None = None) -> Any:
         while not self._done.is_set():
             group = self._group
-            if group is not None:
+            if self._handed_off or group is None:
+                self._done.wait()  # an async call, running in a thread of its own
+            else:
                 group._drain(self.rank, blocking=True)  # run what is queued before it, then it
         if self._error is not None:
             raise self._error
@@ -100,10 +110,11 @@ class InlineFuture(RankFuture):
 class _Rank:
     """One rank: its host, its queue of calls, and the lock that runs them one at a time."""
 
-    __slots__ = ("closing", "host", "lock", "queue", "users")
+    __slots__ = ("async_pool", "closing", "host", "lock", "queue", "users")
 
     def __init__(self, host: WorkerHost) -> None:
         self.host: WorkerHost | None = host
+        self.async_pool: ThreadPoolExecutor | None = None  # runs its async calls, made at the first
         self.lock = threading.RLock()
         self.queue: deque[InlineFuture] = deque()
         self.users = 0  # threads inside ``lock`` (guarded by the group's state lock)
@@ -123,6 +134,8 @@ class _State:
 
 
 def _close_rank(state: _State, rank: _Rank) -> None:
+    if rank.async_pool is not None:
+        rank.async_pool.shutdown(wait=False)
     host, rank.host = rank.host, None
     if host is None:
         return
@@ -149,11 +162,23 @@ def _close(state: _State) -> None:
             os.environ[key] = old
 
 
+@dataclass(frozen=True)
+class InlineHandles:
+    """``WorkerGroup.backend_handles`` on the inline backend."""
+
+    workers: list[Any]
+    """Each rank's worker object, in rank order (a colocated group's: the fused worker).
+    Calling them directly bypasses the rank's one-call-at-a-time order."""
+
+
 class InlineGroup(BackendGroup):
     def __init__(self, spec: GroupSpec) -> None:
         pool = spec.pool
         self.world_size = pool.world_size
         self.worker_names = [f"{spec.name_prefix}_{rank}" for rank in range(self.world_size)]
+        self._cls_with_init = spec.cls_with_init
+        self._async_targets: dict[str, bool] = {}
+        self._max_async = max_async_calls(spec.cls_with_init.cls)
         self._state = state = _State(spec.name_prefix, _apply_env(spec.worker_env))
         self._finalizer = weakref.finalize(self, _close, state)
         for rank, info in enumerate(rank_infos(pool)):
@@ -204,6 +229,30 @@ class InlineGroup(BackendGroup):
         with state.guard:
             rank.users += 1
             stopped = state.closed
+        if not stopped and state.dead is None and self._is_async(target):
+            # An async call waits for its coroutine in a thread of its own (the
+            # coroutine runs on the rank's loop): the rank goes on to its next call.
+            with state.guard:
+                if rank.async_pool is None:
+                    rank.async_pool = ThreadPoolExecutor(
+                        max_workers=self._max_async, thread_name_prefix=f"podium-inline-{index}-async"
+                    )
+                pool = rank.async_pool
+            future._handed_off = True
+            pool.submit(self._finish, rank, index, future, target, payload, stopped)
+            return
+        self._finish(rank, index, future, target, payload, stopped)
+
+    def _is_async(self, target: str) -> bool:
+        found = self._async_targets.get(target)
+        if found is None:
+            found = self._async_targets[target] = is_async_target(self._cls_with_init, target)
+        return found
+
+    def _finish(
+        self, rank: _Rank, index: int, future: InlineFuture, target: str, payload: Any, stopped: bool
+    ) -> None:
+        state = self._state
         error: BaseException | None = None
         outcome: Outcome | None = None
         try:
@@ -264,6 +313,9 @@ class InlineGroup(BackendGroup):
         except Exception as exc:
             return crossing_failure(exc, index, target, RESULT_NOT_LOADED)
 
+    def handles(self) -> InlineHandles:
+        return InlineHandles([r.host.worker if r.host is not None else None for r in self._state.ranks])
+
     def _shutdown(self) -> None:
         self._finalizer()
 
@@ -291,7 +343,9 @@ def _visible_gpus() -> int:
 
 class InlineBackend(Backend):
     name = "inline"
-    capabilities = Capabilities(fractional_colocation=True, batch_refs=True)
+    capabilities = Capabilities(
+        fractional_colocation=True, batch_refs=True, concurrent_async_calls=True
+    )
     options = ()
 
     def check_resources(self, pools: Sequence[ResourcePool]) -> None:

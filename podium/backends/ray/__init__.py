@@ -9,5 +9,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("podium's Ray backend needs Ray: pip install 'podium[ray]'") from exc
 
 from podium.backends.ray.backend import RayBackend
+from podium.backends.ray.group import RayHandles
 
-__all__ = ["RayBackend"]
+__all__ = ["RayBackend", "RayHandles"]

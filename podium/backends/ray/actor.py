@@ -22,7 +22,7 @@ from podium.backends.ray import wire
 from podium.core.host import Outcome, RemoteFailure, WorkerHost
 from podium.core.worker import RankInfo
 
-__all__ = ["actor_class", "method_name"]
+__all__ = ["ASYNC_GROUP", "actor_class", "method_name"]
 
 
 class _RankActor:
@@ -191,25 +191,34 @@ def _target_method(target: str) -> Any:
     return run_target
 
 
-_classes: dict[frozenset[str], Any] = {}
+_classes: dict[tuple[frozenset[str], int], Any] = {}
 _lock = threading.Lock()
 
+# The concurrency group ``async def`` calls run in: each waits in one of its
+# threads while its coroutine runs on the rank's event loop, so a rank takes
+# its next calls meanwhile. Every other call runs in Ray's default group, one
+# at a time, in order (max_concurrency=1).
+ASYNC_GROUP = "podium_async"
 
-def actor_class(targets: Iterable[str]) -> Any:
+
+def actor_class(targets: Iterable[str], async_slots: int = 0) -> Any:
     """The Ray actor class for a worker class whose registered targets are ``targets``.
 
     Each target gets its own actor method, so a call without arguments (the
     common ``init_model()``, ``save()``) crosses with no payload at all, as a
     hand-written Ray actor's would; other targets go through ``call``.
+    ``async_slots`` threads serve :data:`ASYNC_GROUP` (the worker's ``max_async_calls``);
+    a worker without ``async def`` methods gets none, and stays a plain sync actor.
     """
-    key = frozenset(targets)
+    key = (frozenset(targets), async_slots)
     with _lock:
         cls = _classes.get(key)
         if cls is None:
-            body = {method_name(t): _target_method(t) for t in sorted(key)}
+            body = {method_name(t): _target_method(t) for t in sorted(key[0])}
             body["__module__"] = __name__
-            cls = ray.remote(max_restarts=0, max_task_retries=0)(
-                type("PodiumRank", (_RankActor,), body)
-            )
+            options: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0}
+            if async_slots:
+                options["concurrency_groups"] = {ASYNC_GROUP: async_slots}
+            cls = ray.remote(**options)(type("PodiumRank", (_RankActor,), body))
             _classes[key] = cls
         return cls

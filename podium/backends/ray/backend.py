@@ -20,6 +20,7 @@ the "can this cluster ever hold the pool" check and waits ``placement_timeout``.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import time
@@ -43,7 +44,15 @@ from podium.backends.ray.placement import (
     ip_sort_key,
     reserve,
 )
-from podium.core.backend import Backend, BackendOption, Capabilities, GroupSpec
+from podium.core.backend import (
+    BACKEND_NAME_ENV,
+    PREFIX_ENV,
+    Backend,
+    BackendOption,
+    Capabilities,
+    GroupSpec,
+)
+from podium.core.host import has_async_methods, is_async_target, max_async_calls
 from podium.core.resource import ResourcePool
 from podium.core.worker import ClassWithInitArgs, RankInfo, colocated_roles
 from podium.core.worker_group import registered_methods
@@ -78,6 +87,7 @@ class RayBackend(Backend):
         detects_dead_workers=True,
         worker_env=True,
         batch_refs=True,
+        concurrent_async_calls=True,
     )
     options = (
         BackendOption(
@@ -241,10 +251,19 @@ class RayBackend(Backend):
                 "namespace": self.config["namespace"],
                 "max_concurrency": 1,
             }
-            runtime_env = _runtime_env(self.config["runtime_env"], spec.worker_env)
+            # The group's own names (WG_PREFIX, WG_BACKEND) are set by setup() below, like
+            # the rank variables: in runtime_env they would make each group's env distinct.
+            runtime_env = _runtime_env(
+                self.config["runtime_env"],
+                {k: v for k, v in spec.worker_env.items() if k not in _GROUP_ENV},
+            )
             if runtime_env:
                 base["runtime_env"] = runtime_env
-            rank_actor = actor_class(_targets(spec.cls_with_init))
+            overlap = has_async_methods(spec.cls_with_init)
+            rank_actor = actor_class(
+                _targets(spec.cls_with_init),
+                max_async_calls(spec.cls_with_init.cls) if overlap else 0,
+            )
             for rank, place in enumerate(places):
                 strategy = PlacementGroupSchedulingStrategy(
                     place.pg,
@@ -299,6 +318,9 @@ class RayBackend(Backend):
                     "LOCAL_WORLD_SIZE": str(local_sizes[rank]),
                     "MASTER_ADDR": ip,
                     "MASTER_PORT": str(port),
+                    # verl's utilities read these on Ray.
+                    "RAY_LOCAL_RANK": str(local_ranks[rank]),
+                    "RAY_LOCAL_WORLD_SIZE": str(local_sizes[rank]),
                 }
                 refs.append(actor.setup.remote(info, env, cls_payload))
             for payload in self._wait_start(refs, list(range(len(actors))), deadline):
@@ -321,6 +343,8 @@ class RayBackend(Backend):
             log_paths=[w[3] for w in where],
             nodes=[w[4] for w in where],
             stop_timeout=float(self.config["stop_timeout"]),
+            is_async=functools.partial(is_async_target, spec.cls_with_init) if overlap else None,
+            places=[(place.pg, place.bundle) for place in places],
         )
         self._groups.add(group)
         return group
@@ -447,6 +471,9 @@ def _actual_layout(nodes: list[tuple[str, str]]) -> tuple[list[int], list[int], 
         local_ranks.append(seen.get(node, 0))
         seen[node] = local_ranks[-1] + 1
     return local_ranks, [seen[n] for n in nodes], [order[n] for n in nodes]
+
+
+_GROUP_ENV = (PREFIX_ENV, BACKEND_NAME_ENV)
 
 
 def _runtime_env(base: dict[str, Any] | None, worker_env: dict[str, str] | Any) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -35,19 +36,41 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from podium.backends.ray import wire
-from podium.backends.ray.actor import method_name
+from podium.backends.ray.actor import ASYNC_GROUP, method_name
 from podium.backends.ray.futures import RayRankFuture, died_error
 from podium.core.backend import BackendGroup, RankCall
 from podium.core.futures import RankFuture
 from podium.errors import GroupShutdownError, PodiumError, WorkerDiedError
 
-__all__ = ["RayGroup"]
+__all__ = ["RayGroup", "RayHandles"]
 
 # Above this size a value several ranks share goes into the object store once
 # (Ray inlines smaller call arguments into each task anyway).
 SHARE_BY_REF_BYTES = 100 * 1024
 # Values too small to be worth sharing by reference even when identical.
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
+
+
+@dataclass(frozen=True)
+class RayHandles:
+    """``WorkerGroup.backend_handles`` on Ray: what each rank is, in rank order.
+
+    The actors run podium's rank shell around the user's worker (their methods
+    are podium's, not the worker's); use them to place other actors beside
+    the ranks, to read where they run, or to kill one. Placement groups and
+    bundle indices are empty for a group reached with ``WorkerGroup.attach``.
+    """
+
+    actors: list[Any]
+    """Each rank's ``ray.actor.ActorHandle``."""
+    placement_groups: list[Any]
+    """Each rank's ``ray.util.placement_group.PlacementGroup`` (shared by the groups on one pool)."""
+    bundle_indices: list[int]
+    """Each rank's bundle in its placement group."""
+    node_ids: list[str]
+    """The Ray node id of each rank."""
+    pids: list[int]
+    """Each rank's process id (on its node)."""
 
 
 class RayGroup(BackendGroup):
@@ -69,8 +92,14 @@ class RayGroup(BackendGroup):
         log_paths: list[str] | None = None,
         nodes: list[str] | None = None,
         stop_timeout: float = 10.0,
+        is_async: Callable[[str], bool] | None = None,
+        places: list[tuple[Any, int]] | None = None,
     ) -> None:
         self._actors = actors
+        self._places = list(places or [])
+        self._nodes = list(nodes or [])
+        # Targets that run in the actor's ASYNC_GROUP threads (see actor_class).
+        self._is_async = is_async or (lambda target: False)
         self.world_size = len(actors)
         self.worker_names = list(worker_names)
         self.name = worker_names[0].rsplit("_", 1)[0] if worker_names else "?"
@@ -102,6 +131,15 @@ class RayGroup(BackendGroup):
     def actors(self) -> list[Any]:
         return list(self._actors)
 
+    def handles(self) -> RayHandles:
+        return RayHandles(
+            actors=list(self._actors),
+            placement_groups=[pg for pg, _ in self._places],
+            bundle_indices=[bundle for _, bundle in self._places],
+            node_ids=list(self._nodes),
+            pids=list(self.pids),
+        )
+
     def submit(
         self, target: str, calls: Sequence[RankCall], *, timeout: float | None = None
     ) -> list[RankFuture]:
@@ -128,9 +166,10 @@ class RayGroup(BackendGroup):
             method = self._method(call.rank, target)
             extra = [entries[k] for k in used]
             if method is None:
-                ref = self._actors[call.rank].call.remote(
-                    wire.encode((target, args, kwargs)), *extra, **late
-                )
+                generic = self._actors[call.rank].call
+                if self._is_async(target):
+                    generic = generic.options(concurrency_group=ASYNC_GROUP)
+                ref = generic.remote(wire.encode((target, args, kwargs)), *extra, **late)
             elif args or kwargs or late:
                 message = wire.encode((args, kwargs)) if args or kwargs else None
                 ref = method.remote(message, *extra, **late)
@@ -154,9 +193,12 @@ class RayGroup(BackendGroup):
         key = (rank, target)
         if key not in self._methods:
             try:
-                self._methods[key] = getattr(self._actors[rank], method_name(target))
+                method = getattr(self._actors[rank], method_name(target))
             except AttributeError:
-                self._methods[key] = None
+                method = None
+            if method is not None and self._is_async(target):
+                method = method.options(concurrency_group=ASYNC_GROUP)
+            self._methods[key] = method
         return self._methods[key]
 
     @staticmethod

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from podium.backends.torchrun.backend import TorchrunBackend
+    from podium.backends.torchrun.group import TorchrunHandles
 
-__all__ = ["TorchrunBackend"]
+__all__ = ["TorchrunBackend", "TorchrunHandles"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,4 +21,8 @@ def __getattr__(name: str) -> Any:
         from podium.backends.torchrun.backend import TorchrunBackend
 
         return TorchrunBackend
+    if name == "TorchrunHandles":
+        from podium.backends.torchrun.group import TorchrunHandles
+
+        return TorchrunHandles
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -84,6 +84,7 @@ class TorchrunBackend(Backend):
         detects_dead_workers=True,
         worker_env=True,
         batch_refs=True,
+        concurrent_async_calls=True,
     )
     options: ClassVar[Sequence[BackendOption]] = (
         BackendOption(

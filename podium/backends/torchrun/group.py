@@ -49,7 +49,7 @@ from podium.core.futures import RankFuture
 from podium.core.host import RESULT_NOT_LOADED, Outcome, crossing_failure
 from podium.errors import CallTimeoutError, GroupShutdownError, WorkerDiedError, WorkerStartupError
 
-__all__ = ["TorchrunFuture", "TorchrunGroup"]
+__all__ = ["TorchrunFuture", "TorchrunGroup", "TorchrunHandles"]
 
 log = logging.getLogger("podium.torchrun")
 
@@ -79,6 +79,20 @@ class _Rank:
     partial: dict[bytes, bytes] = field(default_factory=dict)
     freed: list[str] = field(default_factory=list)  # worker segments the controller is done with
     ready: Outcome | None = None
+
+
+@dataclass(frozen=True)
+class TorchrunHandles:
+    """``WorkerGroup.backend_handles`` on torchrun: where each rank's process runs, in rank order."""
+
+    pids: list[int | None]
+    """Each rank's worker process id, on its host (``None`` before it connected)."""
+    hosts: list[str | None]
+    """The host name each rank runs on."""
+    control_address: str
+    """The controller's ZeroMQ endpoint the ranks connect to (CURVE-secured)."""
+    app_handle: str | None
+    """torchx's handle of the job (``scheduler://session/app_id``), for torchx's own tools."""
 
 
 class TorchrunGroup(BackendGroup):
@@ -618,6 +632,14 @@ class TorchrunGroup(BackendGroup):
         if self._pool is not None:
             self._pool.close()
         unlink_prefix(f"podium-{self.gid}-")
+
+    def handles(self) -> TorchrunHandles:
+        return TorchrunHandles(
+            pids=[r.pid for r in self._ranks],
+            hosts=[r.host for r in self._ranks],
+            control_address=self.channel.address,
+            app_handle=self.app_handle,
+        )
 
     def _shutdown(self) -> None:
         # The backend owns the torchx app; it registered itself as the closer.

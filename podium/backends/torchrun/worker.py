@@ -263,6 +263,9 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
 
     _sibling("lazy_dynamo").install()  # before anything imports torch
 
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
     from podium.backends.torchrun import wire
     from podium.backends.torchrun.channel import send_frames
     from podium.backends.torchrun.shm import (
@@ -279,6 +282,8 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
         RemoteFailure,
         WorkerHost,
         crossing_failure,
+        is_async_target,
+        max_async_calls,
     )
     from podium.core.worker import RankInfo
 
@@ -320,22 +325,49 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
         send_frames(sock, [wire.head(kind, (key, desc, segments.take_releases())), *frames])
         wire.done_placing(enc, pool)
 
+    # ``async def`` calls wait for their coroutine (on the rank's event loop) in
+    # these threads, so this loop takes the next calls meanwhile; their outcomes
+    # come back through ``finished`` and are sent from here (the socket is this
+    # thread's). While any runs, the loop wakes every few ms to send them.
+    async_pool: ThreadPoolExecutor | None = None
+    finished: queue.SimpleQueue[tuple[int, Outcome, str]] = queue.SimpleQueue()
+    async_running = 0
+    async_targets: dict[str, bool] = {}
+    cls_with_init: Any = None
+    max_async = 1
+    wait_ms = 1000
+
+    def run_async_call(call_id: int, target: str, args: Any, kwargs: Any) -> None:
+        try:
+            outcome = host.run(target, args, kwargs)  # type: ignore[union-attr]
+        except BaseException as exc:  # host.run captures user errors; this is a bug or a stop
+            outcome = Outcome(False, RemoteFailure.capture(exc, rank, target))
+        finished.put((call_id, outcome, target))
+
     next_trim = time.monotonic() + 1.0
     try:
         while True:
+            while async_running and not finished.empty():
+                done_id, done_outcome, done_target = finished.get()
+                async_running -= 1
+                reply(wire.RESULT, done_id, done_outcome, done_target)
+                del done_outcome
+            if wait_ms != (2 if async_running else 1000):
+                wait_ms = 2 if async_running else 1000
+                sock.setsockopt(zmq.RCVTIMEO, wait_ms)
             # The head as bytes (a no-op call is this one frame), the rest without a copy.
             try:
                 msg: list[Any] = [sock.recv()]
             except zmq.Again:
                 msg = []
-            if not msg or time.monotonic() >= next_trim:
+            if (not msg and not async_running) or time.monotonic() >= next_trim:
                 # Once a second, busy or idle: drop shared memory nobody uses any more.
                 next_trim = time.monotonic() + 1.0
                 if pool is not None:
                     pool.trim()
                 segments.trim()
-                if not msg:
-                    continue
+            if not msg:
+                continue
             if sock.get(rcvmore):
                 msg += sock.recv_multipart(copy=False)
             kind, meta = wire.split_head(msg[0])
@@ -354,6 +386,7 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
                 try:
                     del msg[0]  # frames the decoder may drop as it joins them
                     (cls_with_init,) = wire.decode_objects(descs, msg, segments)
+                    max_async = max_async_calls(cls_with_init.cls)
                     info = RankInfo.from_env()
                     if os.environ.get("PODIUM_TR_USE_GPU") == "1":
                         import torch
@@ -400,6 +433,20 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
                     del objs
                     if host is None:
                         raise RuntimeError("the worker was not constructed")
+                    is_async = async_targets.get(target)
+                    if is_async is None:
+                        is_async = async_targets[target] = is_async_target(cls_with_init, target)
+                    if is_async:
+                        # A deadline does not interrupt it: it does not run on this thread.
+                        control.running = None
+                        if async_pool is None:
+                            async_pool = ThreadPoolExecutor(
+                                max_async, thread_name_prefix="podium-async"
+                            )
+                        async_running += 1
+                        async_pool.submit(run_async_call, call_id, target, args, kwargs)
+                        args = kwargs = None  # type: ignore[assignment]
+                        continue
                     outcome = host.run(target, args, kwargs)
                     control.running = None
                 except (Exception, CallInterrupted) as exc:
@@ -411,7 +458,9 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
                 del outcome
     finally:
         if host is not None:
-            failure = host.close()
+            failure = host.close()  # cancels the async calls still awaiting
+            if async_pool is not None:
+                async_pool.shutdown(wait=False)
             if failure is not None:
                 sys.stderr.write(
                     f"podium: the worker's shutdown() hook on rank {rank} failed:\n{failure.traceback}"

@@ -20,6 +20,7 @@ from podium import (
 )
 from podium.core import dispatch as builtin
 from podium.testing.conformance.base import WORLD, BackendFixtures
+from podium.testing.conformance.workers import MESH
 
 
 def batch(n: int, *, auto_padding: bool = False) -> DataProto:
@@ -200,6 +201,12 @@ class DispatchTests(BackendFixtures):
         assert out.batch["x"].tolist() == [0.0, 1.0, 2.0, 3.0]
         assert out.batch["dp"].tolist() == [0, 0, 1, 1]
         assert out.batch["tp"].tolist() == [0, 0, 0, 0]
+
+    def test_the_controller_reads_each_ranks_place_in_a_mesh(self, mesh_wg: WorkerGroup) -> None:
+        assert mesh_wg._query_dispatch_info(MESH) == [0, 0, 1, 1]
+        assert mesh_wg._query_collect_info(MESH) == [True, False, True, False]
+        with pytest.raises(ValueError, match="not registered"):
+            mesh_wg._query_dispatch_info("no_such_mesh")
 
     def test_nd_mesh_accepts_data_by_keyword_and_pads(self, mesh_wg: WorkerGroup) -> None:
         out = mesh_wg.shard(data=batch(3, auto_padding=True))

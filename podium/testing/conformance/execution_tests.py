@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ from podium import (
 )
 from podium.core.backend import Backend
 from podium.testing.conformance.base import WORLD, BackendFixtures, skip_unless
-from podium.testing.conformance.workers import ConformanceWorker
+from podium.testing.conformance.workers import ConformanceWorker, FusedActorCritic
 
 
 def batch(n: int) -> DataProto:
@@ -28,6 +30,28 @@ def batch(n: int) -> DataProto:
 class ExecutionTests(BackendFixtures):
     def test_async_def_methods_run(self, wg: WorkerGroup) -> None:
         assert wg.async_double(21, delay=0.01) == [(r, 42) for r in range(WORLD)]
+
+    def test_a_task_an_async_call_starts_keeps_running_between_calls(self, wg: WorkerGroup) -> None:
+        wg.start_ticking(0.01)
+        try:
+            first = wg.ticks_now()
+            time.sleep(0.5)  # no call runs meanwhile: each rank's event loop keeps going
+            later = wg.ticks_now()
+        finally:
+            wg.stop_ticking()
+        assert all(b >= a + 5 for a, b in zip(first, later)), (first, later)
+
+    def test_async_calls_overlap_and_do_not_hold_up_other_calls(
+        self, backend: Backend, wg: WorkerGroup
+    ) -> None:
+        skip_unless(backend, "concurrent_async_calls")
+        started = time.monotonic()
+        futures = [wg.hold_async(1.0) for _ in range(3)]
+        assert [o["rank"] for o in wg.whoami()] == list(range(WORLD))  # not behind them
+        assert time.monotonic() - started < 0.9
+        most = [max(per_call) for per_call in zip(*(get(f) for f in futures))]
+        assert most == [3] * WORLD
+        assert time.monotonic() - started < 2.5  # about 1 s: the three ran at once
 
     def test_nonblocking_returns_rank_futures(self, wg: WorkerGroup) -> None:
         futures = wg.nonblocking(1)
@@ -103,6 +127,25 @@ class ExecutionTests(BackendFixtures):
         assert critic.value(batch(2)).batch["x"].tolist() == [100.0, 101.0]
         with pytest.raises(AttributeError):
             actor.value  # noqa: B018 - the critic's method is not the actor's
+
+    def test_a_fused_class_and_its_roles_run_in_the_same_processes(self, backend: Backend) -> None:
+        with WorkerGroup(
+            ResourcePool([2], use_gpu=False), ClassWithInitArgs(FusedActorCritic), backend=backend
+        ) as wg:
+            own = wg.actor_lr()
+            wg.fuse(["actor", "critic"])
+            roles = wg.actor.describe()
+            assert [(r, lr) for r, lr, _ in own] == [(0, 0.25), (1, 0.25)]
+            assert [(x[0], x[1], x[3]) for x in roles] == [("actor", 0, 0.25), ("actor", 1, 0.25)]
+            assert [pid for _, _, pid in own] == [x[2] for x in roles]  # same process per rank
+            assert wg.critic.value(batch(2)).batch["x"].tolist() == [100.0, 101.0]
+
+    def test_group_names_are_in_the_rank_environment(
+        self, backend: Backend, wg: WorkerGroup
+    ) -> None:
+        skip_unless(backend, "worker_env")
+        envs = wg.env("WG_PREFIX", "WG_BACKEND")
+        assert envs == [{"WG_PREFIX": wg.name_prefix, "WG_BACKEND": backend.name}] * WORLD
 
     def test_spawn_needs_a_colocated_group(self, wg: WorkerGroup) -> None:
         with pytest.raises(TypeError, match="create_colocated_worker_cls"):

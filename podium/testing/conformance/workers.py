@@ -19,10 +19,12 @@ from typing import Any
 import torch
 
 from podium import (
+    ClassWithInitArgs,
     DataProto,
     Dispatch,
     Execute,
     Worker,
+    create_colocated_worker_raw_cls,
     make_nd_compute_dataproto_dispatch_fn,
     register,
 )
@@ -65,6 +67,10 @@ class ConformanceWorker(Worker):
         self.running = 0
         self.most_running = 0
         self.guard = threading.Lock()
+        self.ticks = 0
+        self.ticker: Any = None
+        self.async_running = 0
+        self.async_most = 0
         # What the constructor saw: the rank variables must be set before it runs.
         self.env_at_init = {name: os.environ.get(name) for name in RESERVED_ENV}
 
@@ -146,6 +152,40 @@ class ConformanceWorker(Worker):
     async def async_double(self, value: int, delay: float = 0.0) -> tuple[int, int]:
         await asyncio.sleep(delay)
         return self.rank, value * 2
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    async def start_ticking(self, interval: float) -> None:
+        """Start a task on the rank's loop that counts until stop_ticking()."""
+
+        async def tick() -> None:
+            while True:
+                self.ticks += 1
+                await asyncio.sleep(interval)
+
+        self.ticks = 0
+        self.ticker = asyncio.get_running_loop().create_task(tick())
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def ticks_now(self) -> int:
+        return self.ticks
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    async def stop_ticking(self) -> int:
+        self.ticker.cancel()
+        return self.ticks
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def hold_async(self, seconds: float) -> int:
+        """Await ``seconds``; the most async calls this rank ran at once so far."""
+        with self.guard:
+            self.async_running += 1
+            self.async_most = max(self.async_most, self.async_running)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            with self.guard:
+                self.async_running -= 1
+        return self.async_most
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def nonblocking(self, value: int) -> tuple[int, int]:
@@ -376,3 +416,16 @@ class CriticRole(Worker):
 
         same = data.batch["x"].data_ptr() in held_data_ptrs()
         return {"rank": self.rank, "same": same, "x": data.batch["x"].tolist()}
+
+
+_FusedBase = create_colocated_worker_raw_cls(
+    {"actor": ClassWithInitArgs(ActorRole, lr=0.25), "critic": ClassWithInitArgs(CriticRole)}
+)
+
+
+class FusedActorCritic(_FusedBase):  # type: ignore[misc,valid-type]  # a class made at import
+    """A user subclass of a raw fused class (verl's fused worker): its own method reaches a role."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def actor_lr(self) -> tuple[int, float, int]:
+        return self.rank, self.roles["actor"].lr, os.getpid()
