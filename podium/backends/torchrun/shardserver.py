@@ -34,7 +34,10 @@ ZeroMQ message, so it arrives whole or not at all.
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import logging
+import os
 import pickle
 import threading
 import time
@@ -202,12 +205,19 @@ class ShardServer:
         if len(msg) != 2:
             return  # not a request of ours (the sender was admitted, so log nothing)
         identity, head = msg
+        req: Any = None
         try:
-            frames = self._answer(msgpack.unpackb(head, raw=False))
+            req = msgpack.unpackb(head, raw=False)
+            frames = self._answer(req)
         except _Refused as exc:
-            frames = [msgpack.packb({"ok": False, "why": str(exc)}, use_bin_type=True)]
+            frames = [
+                msgpack.packb({"ok": False, "id": req["id"], "why": str(exc)}, use_bin_type=True)
+            ]
         except Exception as exc:  # a malformed request
-            frames = [msgpack.packb({"ok": False, "bad": repr(exc)[:200]}, use_bin_type=True)]
+            rid = req.get("id") if isinstance(req, dict) else None
+            frames = [
+                msgpack.packb({"ok": False, "id": rid, "bad": repr(exc)[:200]}, use_bin_type=True)
+            ]
         router.send(identity, zmq.SNDMORE)
         send_frames(router, frames)
 
@@ -234,7 +244,7 @@ class ShardServer:
             index: slice | np.ndarray = sl if sl is not None else rows
             frames.append(pickle.dumps({k: stored[k][index] for k in objects}, protocol=5))
         self.served += 1
-        return [msgpack.packb({"ok": True}, use_bin_type=True), *frames]
+        return [msgpack.packb({"ok": True, "id": req["id"]}, use_bin_type=True), *frames]
 
 
 class _Refused(Exception):
@@ -243,14 +253,15 @@ class _Refused(Exception):
 
 # -- the reader ---------------------------------------------------------------------
 
-_ctx: zmq.Context[Any] | None = None
-_ctx_lock = threading.Lock()
-_stats = {"remote_reads": 0, "remote_bytes": 0}
+_lock = threading.Lock()
+_stats = {"remote_reads": 0, "remote_bytes": 0, "connections": 0}
+# At most this many producers' connections are kept open for reuse (the oldest goes first).
+_MAX_CONNECTIONS = 64
 
 
 def client_stats(reset: bool = False) -> dict[str, int]:
-    """This process's reads through shard servers: how many, and the tensor bytes received."""
-    with _ctx_lock:
+    """This process's reads through shard servers: reads, tensor bytes received, connections made."""
+    with _lock:
         out = dict(_stats)
         if reset:
             for k in _stats:
@@ -258,12 +269,165 @@ def client_stats(reset: bool = False) -> dict[str, int]:
     return out
 
 
-def _context() -> zmq.Context[Any]:
-    global _ctx
-    with _ctx_lock:
-        if _ctx is None:
-            _ctx = zmq.Context()
-        return _ctx
+class _Connection:
+    """One reader's connection to one shard server, kept for the next read.
+
+    Its monitor says whether the CURVE handshake is done (``linked``) and
+    whether the link dropped since; ZeroMQ reconnects by itself, and each
+    request carries an id so that a late reply to an abandoned one is skipped.
+    """
+
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str, server_key: bytes) -> None:
+        public, secret = reader_keys()
+        self.endpoint = endpoint
+        self.server_key = server_key
+        self.lock = threading.Lock()
+        self.used = False  # a read went through it (so a failure may be a stale link)
+        self.closed = False
+        self.linked = False
+        sock = self.sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.rcvhwm = 0
+        sock.heartbeat_ivl = _HEARTBEAT_IVL_MS
+        sock.heartbeat_timeout = _HEARTBEAT_TIMEOUT_MS
+        sock.curve_serverkey = server_key
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+        self.monitor = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_CONNECT_RETRIED
+            | zmq.EVENT_DISCONNECTED
+        )
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        sock.connect(endpoint)
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+    def events(self, shard_id: str) -> bool:
+        """Read the monitor's events; whether the link dropped. Raises when the producer is gone."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        dropped = False
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
+            except zmq.ZMQError:
+                return dropped
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.linked = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                dropped = dropped or self.linked
+                self.linked = False
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                raise self.lost(shard_id, "refuses connections (the worker ended)")
+            elif event in (
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+            ):
+                # The peer closed or garbled the handshake: a worker that is
+                # ending, or another process on the port of one that ended.
+                raise self.lost(shard_id, "broke off the handshake (the worker ended)")
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # its ZAP handler said no
+                raise _KeyRefused(
+                    f"the shard server at {self.endpoint} refused this process's reader key: only "
+                    "ranks of groups started by the same controller can read each other's shards"
+                )
+
+    def lost(self, shard_id: str, why: str) -> DataLostError:
+        return DataLostError(
+            shard_id, None, detail=f"its producer's shard server at {self.endpoint} {why}"
+        )
+
+    def request(self, head: dict[str, Any], shard_id: str) -> None:
+        """Send ``head`` and wait until its reply is next to read; never a hang on a dead producer."""
+        self.events(shard_id)  # what happened since the last read
+        self.sock.send(msgpack.packb(head, use_bin_type=True))
+        start = time.monotonic()
+        while True:
+            ready = dict(self.poller.poll(_TICK_MS))
+            if self.sock in ready:
+                reply = msgpack.unpackb(self.sock.recv(), raw=False)
+                if reply.get("id") == head["id"]:
+                    self.pending = reply
+                    return
+                while self.sock.get(zmq.RCVMORE):  # a late reply to an abandoned request
+                    self.sock.recv(copy=False)
+                continue
+            if self.monitor in ready and self.events(shard_id):
+                if self.sock.poll(0):
+                    continue  # the reply came whole before the link dropped
+                raise self.lost(shard_id, "dropped the connection before it answered")
+            if not self.linked and time.monotonic() - start > CONNECT_TIMEOUT:
+                raise self.lost(
+                    shard_id,
+                    f"did not answer within {CONNECT_TIMEOUT:g} s (its host is unreachable or gone)",
+                )
+
+    pending: dict[str, Any]
+    key: tuple[str, bytes, bytes]
+
+
+class _KeyRefused(PodiumError):
+    """The shard server does not admit this process's reader key."""
+
+
+# (endpoint, server key, reader key) -> its connection, the most recently used last.
+_connections: dict[tuple[str, bytes, bytes], _Connection] = {}
+_ctx: zmq.Context[Any] | None = None
+_ctx_pid = 0
+_ids = itertools.count(1)
+
+
+def _connection(endpoint: str, server_key: bytes) -> _Connection:
+    global _ctx, _ctx_pid
+    evicted: list[_Connection] = []
+    with _lock:
+        if _ctx is None or _ctx_pid != os.getpid():  # a forked child makes its own
+            if _ctx is None:
+                atexit.register(_close_all)
+            _connections.clear()
+            _ctx, _ctx_pid = zmq.Context(), os.getpid()
+        key = (endpoint, server_key, reader_keys()[0])
+        conn = _connections.pop(key, None)
+        if conn is None:
+            conn = _Connection(_ctx, endpoint, server_key)
+            conn.key = key
+            _stats["connections"] += 1
+        _connections[key] = conn
+        while len(_connections) > _MAX_CONNECTIONS:
+            evicted.append(_connections.pop(next(iter(_connections))))
+    for old in evicted:  # outside _lock: a reader may hold its lock and want _lock
+        with old.lock:
+            old.close()
+    return conn
+
+
+def _close_all() -> None:
+    """Close the kept connections (at exit: no socket is left for the collector to find)."""
+    with _lock:
+        conns = list(_connections.values())
+        _connections.clear()
+    for conn in conns:
+        conn.close()
+
+
+def _forget(conn: _Connection) -> None:
+    with _lock:
+        if _connections.get(conn.key) is conn:
+            del _connections[conn.key]
+    conn.close()
 
 
 def fetch_remote(
@@ -277,69 +441,84 @@ def fetch_remote(
     objects: Sequence[str],
     meta_info: dict[str, Any],
 ) -> DataProto | Any:
-    """Rows ``rows`` of ``keys`` and ``objects`` of one shard, from its producer's shard server."""
-    public, secret = reader_keys()
-    sock = _context().socket(zmq.DEALER)
-    sock.linger = 0
-    sock.rcvhwm = 0
-    sock.heartbeat_ivl = _HEARTBEAT_IVL_MS
-    sock.heartbeat_timeout = _HEARTBEAT_TIMEOUT_MS
-    sock.curve_serverkey = server_key
-    sock.curve_publickey = public
-    sock.curve_secretkey = secret
-    monitor = sock.get_monitor_socket(
-        zmq.EVENT_HANDSHAKE_SUCCEEDED
-        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        | zmq.EVENT_CONNECT_RETRIED
-        | zmq.EVENT_DISCONNECTED
+    """Rows ``rows`` of ``keys`` and ``objects`` of one shard, from its producer's shard server.
+
+    A connection kept from an earlier read that fails is retried once on a
+    fresh one (its link may have gone stale); a fresh one's failure is final.
+    """
+    for attempt in range(2):
+        conn = _connection(endpoint, server_key)
+        stale = conn.used
+        with conn.lock:
+            if conn.closed:  # evicted between the look-up and the lock
+                continue
+            try:
+                part = _read(conn, shard_id, segment, layout, rows, keys, objects, meta_info)
+            except _KeyRefused:
+                _forget(conn)
+                raise
+            except DataLostError:
+                _forget(conn)
+                if stale and attempt == 0:
+                    continue
+                raise
+            except BaseException:
+                _forget(conn)  # whatever is left of its reply must not meet the next request
+                raise
+            conn.used = True
+            return part
+    raise DataLostError(
+        shard_id, None, detail=f"its producer's shard server at {endpoint} could not be read"
     )
+
+
+def _read(
+    conn: _Connection,
+    shard_id: str,
+    segment: str,
+    layout: Layout,
+    rows: np.ndarray,
+    keys: Sequence[Key],
+    objects: Sequence[str],
+    meta_info: dict[str, Any],
+) -> DataProto | Any:
     m = int(rows.size)
-    try:
-        sock.connect(endpoint)
-        head = {
-            "seg": segment,
-            "rows": np.ascontiguousarray(rows, dtype="<i8").tobytes(),
-            "keys": [_key_out(k) for k in keys],
-            "objects": list(objects),
-        }
-        sock.send(msgpack.packb(head, use_bin_type=True))
-        _await_reply(sock, monitor, endpoint, shard_id)
-        reply = msgpack.unpackb(sock.recv(), raw=False)
-        if not reply.get("ok"):
-            if "why" in reply:
-                raise DataLostError(shard_id, None, detail=str(reply["why"]))
-            raise PodiumError(
-                f"the shard server at {endpoint} refused the request: {reply.get('bad')}"
-            )
-        tensors: dict[Key, torch.Tensor] = {}
-        received = 0
-        for key in keys:
-            col = layout.column(key)
-            t = torch.empty((m, *col.row_shape), dtype=col.dtype)
-            _recv_part(
-                sock,
-                t.view(-1).view(torch.uint8).numpy() if t.numel() else bytearray(),
-                m * col.row_bytes,
-                endpoint,
-            )
-            tensors[key] = t
-            received += m * col.row_bytes
-        non_tensors: dict[str, np.ndarray] = {}
-        if objects:
-            if not sock.get(zmq.RCVMORE):
-                raise PodiumError(f"the shard server at {endpoint} sent no non-tensor columns")
-            # From the producer rank itself (CURVE authenticated it), with the keys the controller gave.
-            non_tensors = pickle.loads(sock.recv())
-        with _ctx_lock:
-            _stats["remote_reads"] += 1
-            _stats["remote_bytes"] += received
-        return _build(layout.kind, tensors, non_tensors, m, meta_info)
-    finally:
-        sock.disable_monitor()
-        monitor.close(linger=0)
-        sock.close(linger=0)
+    head = {
+        "id": next(_ids),
+        "seg": segment,
+        "rows": np.ascontiguousarray(rows, dtype="<i8").tobytes(),
+        "keys": [_key_out(k) for k in keys],
+        "objects": list(objects),
+    }
+    conn.request(head, shard_id)
+    reply, sock, endpoint = conn.pending, conn.sock, conn.endpoint
+    if not reply.get("ok"):
+        while sock.get(zmq.RCVMORE):
+            sock.recv(copy=False)
+        if "why" in reply:
+            raise DataLostError(shard_id, None, detail=str(reply["why"]))
+        raise PodiumError(f"the shard server at {endpoint} refused the request: {reply.get('bad')}")
+    tensors: dict[Key, torch.Tensor] = {}
+    received = 0
+    for key in keys:
+        col = layout.column(key)
+        t = torch.empty((m, *col.row_shape), dtype=col.dtype)
+        into = t.view(-1).view(torch.uint8).numpy() if t.numel() else bytearray()
+        _recv_part(sock, into, m * col.row_bytes, endpoint)
+        tensors[key] = t
+        received += m * col.row_bytes
+    non_tensors: dict[str, np.ndarray] = {}
+    if objects:
+        if not sock.get(zmq.RCVMORE):
+            raise PodiumError(f"the shard server at {endpoint} sent no non-tensor columns")
+        # From the producer rank itself (CURVE authenticated it), with the keys the controller gave.
+        non_tensors = pickle.loads(sock.recv())
+    if sock.get(zmq.RCVMORE):
+        raise PodiumError(f"the shard server at {endpoint} sent more parts than asked for")
+    with _lock:
+        _stats["remote_reads"] += 1
+        _stats["remote_bytes"] += received
+    return _build(layout.kind, tensors, non_tensors, m, meta_info)
 
 
 def _recv_part(sock: zmq.Socket[Any], into: Any, nbytes: int, endpoint: str) -> None:
@@ -350,57 +529,3 @@ def _recv_part(sock: zmq.Socket[Any], into: Any, nbytes: int, endpoint: str) -> 
         raise PodiumError(
             f"the shard server at {endpoint} sent {got} bytes where {nbytes} were due"
         )
-
-
-def _await_reply(
-    sock: zmq.Socket[Any], monitor: zmq.Socket[Any], endpoint: str, shard_id: str
-) -> None:
-    """Wait until the reply is there; a producer that is gone is :class:`DataLostError`, never a hang."""
-    from zmq.utils.monitor import recv_monitor_message
-
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    poller.register(monitor, zmq.POLLIN)
-    start = time.monotonic()
-    linked = False
-
-    def lost(why: str) -> DataLostError:
-        return DataLostError(
-            shard_id, None, detail=f"its producer's shard server at {endpoint} {why}"
-        )
-
-    while True:
-        events = dict(poller.poll(_TICK_MS))
-        if sock in events:
-            return
-        if monitor in events:
-            while True:
-                try:
-                    event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
-                except zmq.ZMQError:
-                    break
-                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    linked = True
-                elif event == zmq.EVENT_CONNECT_RETRIED and not linked:
-                    raise lost("refuses connections (the worker ended)")
-                elif event == zmq.EVENT_DISCONNECTED and linked:
-                    # Whatever arrived before the drop is whole: look once more.
-                    if poller.poll(0) and sock.poll(0):
-                        return
-                    raise lost("dropped the connection before it answered (the worker ended)")
-                elif event in (
-                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-                    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
-                ):
-                    # The peer closed or garbled the handshake: a worker that is
-                    # ending, or another process on the port of one that ended.
-                    raise lost("broke off the handshake (the worker ended)")
-                elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # its ZAP handler said no
-                    raise PodiumError(
-                        f"the shard server at {endpoint} refused this process's reader key: only "
-                        "ranks of groups started by the same controller can read each other's shards"
-                    )
-        if not linked and time.monotonic() - start > CONNECT_TIMEOUT:
-            raise lost(
-                f"did not answer within {CONNECT_TIMEOUT:g} s (its host is unreachable or gone)"
-            )
