@@ -29,7 +29,11 @@ see it. A reader never hangs on a dead producer: a refused connection, a
 handshake that does not complete within :data:`CONNECT_TIMEOUT`, or a
 connection that drops (ZMTP heartbeats find a host that is gone) before the
 whole reply arrived is a :class:`podium.errors.DataLostError`; a reply is one
-ZeroMQ message, so it arrives whole or not at all.
+ZeroMQ message, so it arrives whole or not at all. A reader keeps one
+connection per producer for later reads (the CURVE handshake costs
+milliseconds); each request carries an id, so a late reply to an abandoned
+request is never taken for the next one's, and a kept connection that fails is
+retried once on a fresh one before the producer is taken for gone.
 """
 
 from __future__ import annotations
