@@ -23,11 +23,16 @@ size from it, C reduces it to one number per row. Measured:
 dict, for a harness; run as a script it prints them::
 
     .venv/bin/python benchmarks/bench_dataplane.py [--backend torchrun] [--mib 256]
+
+``--shard-network`` (torchrun) sends every ``BatchRef`` read through the
+producers' shard servers (TCP and CURVE, as between hosts) instead of shared
+memory, to measure the cross-host path on one machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import threading
@@ -46,8 +51,10 @@ from podium import (
     ResourcePool,
     Worker,
     WorkerGroup,
+    load_backend,
     register,
 )
+from podium.core.backend import Backend
 
 COLS = 16384  # float32: 64 KiB per row
 __all__ = ["measure"]
@@ -180,7 +187,7 @@ def _median(fn: Callable[[], Any], n: int, warmup: int = 1) -> float:
 
 
 def measure(
-    backend: str = "torchrun", *, mib: int = 256, rounds: int = 3, calls: int = 300
+    backend: str | Backend = "torchrun", *, mib: int = 256, rounds: int = 3, calls: int = 300
 ) -> dict[str, float]:
     """Run the data-plane measures on ``backend``; return them by name (see the module docstring)."""
     import gc
@@ -266,10 +273,23 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument(
+        "--shard-network",
+        action="store_true",
+        help="torchrun: read BatchRefs through the producers' shard servers, not shared memory",
+    )
     args = parser.parse_args()
-    results = measure(args.backend, mib=args.mib, rounds=args.rounds, calls=args.calls)
+    backend: str | Backend = args.backend
+    where = ""
+    if args.shard_network:
+        from podium.backends.torchrun.dataplane import NETWORK_ENV
+
+        os.environ[NETWORK_ENV] = "1"  # the controller's materialize() too
+        backend = load_backend(args.backend, shard_network=True)
+        where = " (BatchRef reads through the shard servers)"
+    results = measure(backend, mib=args.mib, rounds=args.rounds, calls=args.calls)
     width = max(map(len, results))
-    print(f"data plane on {args.backend!r}:")
+    print(f"data plane on {args.backend!r}{where}:")
     for key, value in results.items():
         print(f"  {key:<{width}}  {value:12.3f}")
 

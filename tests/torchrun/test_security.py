@@ -20,7 +20,7 @@ import zmq
 
 from podium import ClassWithInitArgs, ResourcePool, Worker, load_backend
 from podium.backends.torchrun import wire
-from podium.backends.torchrun.channel import ControlChannel
+from podium.backends.torchrun.channel import ControlChannel, reader_keys
 from podium.backends.torchrun.group import TorchrunGroup
 from podium.backends.torchrun.launch import dryrun
 from podium.core.backend import GroupSpec
@@ -206,7 +206,8 @@ def test_keys_wait_in_private_files_not_in_the_environment(group: TorchrunGroup)
         path = os.path.join(directory, f"rank-{rank}")
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         with open(path, "rb") as f:
-            assert f.read().split() == [public, secret]
+            # Its own pair, then the controller's reader pair (for shard servers).
+            assert f.read().split() == [public, secret, *reader_keys()]
     group.close_channel()
     assert not os.path.exists(directory)
 

@@ -108,6 +108,22 @@ class TorchrunBackend(Backend):
             "bind_host", str, None, "interface the control socket binds (default: controller_host)"
         ),
         BackendOption(
+            "data_host",
+            str,
+            None,
+            "address each worker's shard server binds, which serves its output='ref' shards to "
+            "readers on other hosts (default: 127.0.0.1 on local schedulers; on others the worker "
+            "host's address as other hosts see it; '0.0.0.0': every interface)",
+        ),
+        BackendOption(
+            "shard_network",
+            bool,
+            False,
+            "read BatchRef rows through the producers' shard servers even on the producer's host "
+            "(tests and benchmarks of the cross-host path; same-host reads otherwise map shared "
+            "memory)",
+        ),
+        BackendOption(
             "key_dir",
             str,
             None,
@@ -322,7 +338,13 @@ class TorchrunBackend(Backend):
         if host is None and self.scheduler not in _LOOPBACK_SCHEDULERS:
             # Workers may run on other hosts; they read the address from the job's environment.
             host = reachable_host()
-        group = TorchrunGroup(spec, {**self.config, "key_dir": key_dir, "controller_host": host})
+        data_host = self.config["data_host"]
+        if data_host is None and self.scheduler in _LOOPBACK_SCHEDULERS:
+            data_host = "127.0.0.1"  # every node is this host: readers are local
+        group = TorchrunGroup(
+            spec,
+            {**self.config, "key_dir": key_dir, "controller_host": host, "data_host": data_host},
+        )
         self._pool_groups[spec.pool] = [*live, group]
         group._closer = self._close_group
         runner = self.runner()

@@ -55,7 +55,7 @@ from zmq.utils import z85
 
 from podium.backends.torchrun.wire import ZERO_COPY_MIN, is_zero_copy
 
-__all__ = ["ControlChannel", "CurveKeys"]
+__all__ = ["ControlChannel", "CurveKeys", "reader_keys", "set_reader_keys"]
 
 log = logging.getLogger("podium.torchrun")
 
@@ -73,6 +73,31 @@ _DRAIN_MAX = 0.5
 
 OnMessage = Callable[[bytes, bytes, list[Any]], None]
 OnTick = Callable[[float], None]
+
+
+_reader: tuple[bytes, bytes] | None = None
+_reader_lock = threading.Lock()
+
+
+def reader_keys() -> tuple[bytes, bytes]:
+    """This controller's *reader* key pair ``(public, secret)``, made once per controller process.
+
+    Every rank of every group this controller starts gets it in its key file,
+    next to its own pair; shard servers admit only it (see :mod:`.shardserver`).
+    A worker process holds its controller's pair instead (:func:`set_reader_keys`).
+    """
+    global _reader
+    with _reader_lock:
+        if _reader is None:
+            _reader = zmq.curve_keypair()
+        return _reader
+
+
+def set_reader_keys(public: bytes, secret: bytes) -> None:
+    """Use the reader pair the controller gave this worker (from its key file)."""
+    global _reader
+    with _reader_lock:
+        _reader = (public, secret)
 
 
 class CurveKeys:
@@ -93,13 +118,15 @@ class CurveKeys:
         return {"PODIUM_TR_SERVER_KEY": self.server_public.decode()}
 
     def write_files(self, directory: str) -> None:
-        """One file per rank, ``<directory>/rank-<rank>`` (0600): its public and secret key."""
+        """One file per rank, ``<directory>/rank-<rank>`` (0600): its public and secret key,
+        then the controller's reader pair (:func:`reader_keys`)."""
+        reader_public, reader_secret = reader_keys()
         for rank, (public, secret) in enumerate(self.clients):
             path = os.path.join(directory, f"rank-{rank}")
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
             fd = os.open(path, flags, 0o600)
             with os.fdopen(fd, "wb") as f:
-                f.write(public + b"\n" + secret + b"\n")
+                f.write(b"\n".join((public, secret, reader_public, reader_secret)) + b"\n")
 
 
 class _RateLimitedWarning:

@@ -3,16 +3,22 @@
 The producer writes the shard's flat buffer (see
 :class:`podium.core.dataplane.Layout`) once into a ``/dev/shm`` segment named
 with its rank's prefix, and keeps tensors that are views of that segment (so
-the shard costs its memory once). A consumer on the same host maps the
-segment copy-on-write (``MAP_PRIVATE``) and builds its tensors on the mapping:
-consecutive rows are read without a copy, and a consumer never sees another
-reader's writes. The controller never touches the bytes.
+the shard costs its memory once). How a reader gets the rows it needs:
 
-The segment is removed when the controller releases the shard, when the
-worker stops, and -- by the rank's supervisor, within milliseconds -- when the
-worker dies; a reader that finds it gone raises
-:class:`podium.errors.DataLostError`. Readers on another host cannot map it:
-this backend reads shards only on the producer's host.
+- **on the producer's host**: it maps the segment copy-on-write
+  (``MAP_PRIVATE``) and builds its tensors on the mapping: consecutive rows are
+  read without a copy, and a reader never sees another reader's writes.
+- **on another host**: it asks the producer's shard server
+  (:mod:`.shardserver`, CURVE-authenticated: only ranks of this controller's
+  groups, and the controller, may read) for exactly its rows and keys, sliced
+  at the producer. The ``shard_network`` backend option makes readers take
+  this path on the producer's host too (tests, benchmarks).
+
+The controller never touches the bytes, except in ``materialize()``. The
+segment is removed when the controller releases the shard, when the worker
+stops, and -- by the rank's supervisor, within milliseconds -- when the worker
+dies; a reader that finds it gone, or a shard server that refuses connections
+or drops them, raises :class:`podium.errors.DataLostError`.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import itertools
 import mmap
 import os
 import socket
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,20 +40,28 @@ from podium.core.dataplane import Exporter, Layout, ShardInfo, Transport, read_b
 from podium.core.protocol import DataProto
 from podium.errors import DataLostError, PodiumError
 
-__all__ = ["ShmExporter", "ShmTransport"]
+__all__ = ["NETWORK_ENV", "ShmExporter", "ShmTransport"]
+
+# Set to "1" in a process whose reads must go through the producers' shard servers
+# even on the producer's host (the ``shard_network`` backend option sets it in workers).
+NETWORK_ENV = "PODIUM_TR_SHARD_NETWORK"
 
 
 class ShmTransport(Transport):
-    """A shard's segment: its name, its host and its size."""
+    """A shard's segment (name, host, size) and its producer's shard server (endpoint, public key)."""
 
-    def __init__(self, name: str, host: str, nbytes: int) -> None:
+    def __init__(
+        self, name: str, host: str, nbytes: int, endpoint: str = "", server_key: bytes = b""
+    ) -> None:
         self.name = name
         self.host = host
         self.nbytes = nbytes
+        self.endpoint = endpoint
+        self.server_key = server_key
         self.released = False
 
     def __reduce__(self) -> Any:
-        return (ShmTransport, (self.name, self.host, self.nbytes))
+        return (ShmTransport, (self.name, self.host, self.nbytes, self.endpoint, self.server_key))
 
     def read(
         self,
@@ -58,11 +73,26 @@ class ShmTransport(Transport):
     ) -> DataProto | TensorDict:
         if self.released:
             raise DataLostError(info.shard_id, None, detail="it was released (release())")
-        if socket.gethostname() != self.host:
-            raise PodiumError(
-                f"a BatchRef's rows live in shared memory on host {self.host!r} and cannot be read on "
-                f"{socket.gethostname()!r}: on torchrun, pass BatchRefs between groups on one host, "
-                "or materialize() them at the controller"
+        here = socket.gethostname() == self.host and os.environ.get(NETWORK_ENV) != "1"
+        if not here:
+            if not self.endpoint:
+                raise PodiumError(
+                    f"a BatchRef's rows live in shared memory on host {self.host!r}, whose worker "
+                    f"serves no shard server, and cannot be read on {socket.gethostname()!r}: "
+                    "materialize() it at the controller"
+                )
+            from podium.backends.torchrun.shardserver import fetch_remote
+
+            return fetch_remote(
+                self.endpoint,
+                self.server_key,
+                info.shard_id,
+                self.name,
+                info.layout,
+                rows,
+                keys,
+                objects,
+                meta_info,
             )
         try:
             fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDONLY)
@@ -85,13 +115,25 @@ class ShmTransport(Transport):
         self.released = True
 
 
-class ShmExporter(Exporter):
-    """Writes each exported shard into a segment named ``{prefix}x{n}`` (the rank's prefix)."""
+ServerFactory = Callable[[Callable[[str], "tuple[np.ndarray, Layout] | None"]], Any]
 
-    def __init__(self, prefix: str) -> None:
+
+class ShmExporter(Exporter):
+    """Writes each exported shard into a segment named ``{prefix}x{n}`` (the rank's prefix).
+
+    With a ``server`` factory, the first export starts this worker's shard
+    server (see :mod:`.shardserver`), which serves the segments exported here
+    until they are freed.
+    """
+
+    def __init__(self, prefix: str, server: ServerFactory | None = None) -> None:
         self.prefix = prefix
         self.host = socket.gethostname()
         self._count = itertools.count()
+        self._server_factory = server
+        self._server: Any = None
+        self._lock = threading.Lock()
+        self._served: dict[str, tuple[np.ndarray, Layout]] = {}
 
     def export(
         self,
@@ -112,7 +154,31 @@ class ShmExporter(Exporter):
         )
         if isinstance(local, DataProto) and isinstance(data, DataProto):
             local.auto_padding = data.auto_padding
-        return ShmTransport(seg.name, self.host, size), seg, local
+        endpoint, server_key = "", b""
+        server = self._serve()
+        if server is not None:
+            with self._lock:
+                self._served[seg.name] = (buf, layout)
+            endpoint, server_key = server.endpoint, server.public_key
+        return ShmTransport(seg.name, self.host, size, endpoint, server_key), seg, local
+
+    def _serve(self) -> Any:
+        if self._server is None and self._server_factory is not None:
+            self._server = self._server_factory(self._lookup)
+        return self._server
+
+    def _lookup(self, name: str) -> tuple[np.ndarray, Layout] | None:
+        with self._lock:
+            return self._served.get(name)
 
     def free(self, handle: Any) -> None:
+        with self._lock:
+            self._served.pop(handle.name, None)
         handle.close()
+
+    def close(self) -> None:
+        """Stop the shard server (the worker is ending)."""
+        with self._lock:
+            self._served.clear()
+        if self._server is not None:
+            self._server.close()

@@ -36,6 +36,7 @@ from typing import Any
 
 from podium.backends.torchrun import wire
 from podium.backends.torchrun.channel import ControlChannel
+from podium.backends.torchrun.dataplane import NETWORK_ENV
 from podium.backends.torchrun.futures import CallBatch, TorchrunFuture
 from podium.backends.torchrun.shm import (
     SegmentMap,
@@ -186,6 +187,10 @@ class TorchrunGroup(BackendGroup):
         env["PODIUM_TR_ORPHAN_TIMEOUT"] = str(self.config["orphan_timeout"])
         env["PODIUM_TR_BEAT"] = "0.5"
         env["PODIUM_TR_CONTROLLER"] = _this_process()
+        # The shard server's address (empty: the worker host's own, see shardserver).
+        env["PODIUM_TR_DATA_HOST"] = self.config.get("data_host") or ""
+        if self.config.get("shard_network"):
+            env[NETWORK_ENV] = "1"
         if self._probe:
             env["PODIUM_TR_SHM_PROBE"] = self._probe
             keep = shm_keep(self.config)

@@ -68,15 +68,16 @@ def _env(name: str) -> str:
     return value
 
 
-def _read_keys(rank: int) -> tuple[bytes, bytes]:
-    """This rank's CURVE key pair (public, secret), from the file the controller left; the file
-    is deleted (and the directory, by the last rank to read)."""
+def _read_keys(rank: int) -> tuple[tuple[bytes, bytes], tuple[bytes, bytes]]:
+    """This rank's CURVE key pair (public, secret) and its controller's reader pair (which
+    reads shards from shard servers), from the file the controller left; the file is deleted
+    (and the directory, by the last rank to read)."""
     directory = _env("PODIUM_TR_KEYS")
     path = os.path.join(directory, f"rank-{rank}")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd, "rb") as f:
-            public, secret = f.read().split()
+            public, secret, reader_public, reader_secret = f.read().split()
     except (OSError, ValueError) as exc:
         sys.stderr.write(
             f"podium torchrun worker: cannot read this rank's key file {path} ({exc}). The "
@@ -90,7 +91,7 @@ def _read_keys(rank: int) -> tuple[bytes, bytes]:
             remove(leftover)
         except OSError:
             pass  # another rank's file is still there: it removes the directory
-    return public, secret
+    return (public, secret), (reader_public, reader_secret)
 
 
 def _connect(
@@ -256,7 +257,7 @@ class _Control:
 _control = _Control(-1)
 
 
-def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
+def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, bytes]) -> None:
     import socket as _socket
 
     import zmq
@@ -303,11 +304,7 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
         if shm_ok
         else None
     )
-    if shm_ok:  # output="ref" shards go into segments of this rank (removed with it)
-        from podium.backends.torchrun.dataplane import ShmExporter
-        from podium.core.dataplane import set_exporter
-
-        set_exporter(ShmExporter(_shm_prefix(f"w{rank}")))
+    exporter = _exporter(rank, keys, reader)
     hello = {"rank": rank, "pid": os.getpid(), "host": _socket.gethostname(), "shm": shm_ok}
     send_frames(sock, [wire.head(wire.HELLO, hello)])
     host: WorkerHost | None = None
@@ -471,6 +468,39 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes]) -> None:
         ctx.term()
         if pool is not None:
             pool.close()
+        if exporter is not None:
+            exporter.close()
+
+
+def _exporter(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, bytes]) -> Any:
+    """Where this rank keeps ``output="ref"`` shards: segments of this rank (removed with it),
+    served to other hosts by a shard server started with the first export; None without /dev/shm."""
+    from podium.backends.torchrun import shardserver
+    from podium.backends.torchrun.channel import set_reader_keys
+    from podium.backends.torchrun.dataplane import ShmExporter
+    from podium.backends.torchrun.shm import shm_available
+    from podium.core.dataplane import set_exporter
+
+    set_reader_keys(*reader)
+    if not shm_available():
+        return None  # outputs by value: the controller holds them
+    bind = os.environ.get("PODIUM_TR_DATA_HOST", "")
+
+    def serve(lookup: Any) -> Any:
+        from podium.backends.torchrun.schedulers import reachable_host
+
+        host = bind or reachable_host()
+        return shardserver.ShardServer(
+            keys=keys,
+            reader_public=reader[0],
+            bind_host=host,
+            advertise_host=reachable_host() if host in ("0.0.0.0", "*", "::") else host,
+            lookup=lookup,
+        )
+
+    exporter = ShmExporter(_shm_prefix(f"w{rank}"), serve)
+    set_exporter(exporter)
+    return exporter
 
 
 # -- the supervisor ----------------------------------------------------------------
@@ -748,7 +778,7 @@ class _Supervisor:
 def main() -> None:
     rank = int(_env("RANK"))
     _env("PODIUM_TR_ADDR")
-    keys = _read_keys(rank)
+    keys, reader = _read_keys(rank)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     ctl_r, ctl_w = os.pipe()
@@ -770,7 +800,7 @@ def main() -> None:
         sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
         code = 0
         try:
-            _worker_main(rank, keys)
+            _worker_main(rank, keys, reader)
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:
