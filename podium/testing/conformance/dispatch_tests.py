@@ -66,6 +66,7 @@ class DispatchTests(BackendFixtures):
         assert isinstance(out, DataProto) and len(out) == 8
         assert out.batch["x"].tolist() == [float(i + i // 2) for i in range(8)]
         assert out.batch["rank"].tolist() == [i // 2 for i in range(8)]
+        assert out.meta_info["metrics"] == {"rank": list(range(WORLD)), "rows": [2] * WORLD}
 
     def test_dp_compute_proto_broadcasts_plain_args_and_splits_kwargs(self, wg: WorkerGroup) -> None:
         out = wg.add_rank(data=batch(4), bias=0.5)

@@ -120,7 +120,9 @@ class ConformanceWorker(Worker):
         out = data.select(batch_keys=["x"], deepcopy=True)
         out.batch["x"] += self.rank + bias
         out.batch["rank"] = torch.full((len(out),), self.rank)
-        out.meta_info = {"rank": self.rank, "rows": len(data)}
+        # Per-rank values go under "metrics": concat merges them into lists and
+        # refuses other meta_info keys whose values differ between ranks.
+        out.meta_info = {"metrics": {"rank": self.rank, "rows": len(data)}}
         data.meta_info["touched_by"] = self.rank  # must never reach the caller's object
         return out
 
