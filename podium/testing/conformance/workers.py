@@ -127,6 +127,12 @@ class ConformanceWorker(Worker):
         return out
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def change_in_place(self, data: DataProto) -> DataProto:
+        """verl's in-place operations on the received shard; the caller's object must not change."""
+        extra = DataProto.from_dict({"w": torch.full((len(data),), float(self.rank))})
+        return data.to("cpu").rename("x", "z").union(extra)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def add_rank_td(self, td: Any) -> Any:
         out = td.clone()
         out["x"] = out["x"] + self.rank
