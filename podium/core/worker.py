@@ -141,6 +141,7 @@ class ClassWithInitArgs(Generic[T]):
     """A deferred constructor: the class and the arguments each rank builds it with."""
 
     def __init__(self, cls: type[T], *args: Any, **kwargs: Any) -> None:
+        cls = _undecorated(cls)
         if not isinstance(cls, type):
             raise TypeError(f"ClassWithInitArgs needs a class, got {cls!r}")
         self.cls = cls
@@ -152,6 +153,17 @@ class ClassWithInitArgs(Generic[T]):
 
     def __repr__(self) -> str:
         return f"ClassWithInitArgs({self.cls.__qualname__})"
+
+
+def _undecorated(cls: Any) -> Any:
+    """The user's class behind a ``@ray.remote`` decoration (verl's workers carry one).
+
+    podium starts the processes itself, on any backend, so it needs the plain
+    class; read through Ray's own metadata without importing Ray.
+    """
+    modified = getattr(getattr(cls, "__ray_metadata__", None), "modified_class", None)
+    original = getattr(modified, "__ray_actor_class__", None)
+    return original if isinstance(original, type) else cls
 
 
 @dataclass(frozen=True)

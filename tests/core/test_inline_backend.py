@@ -234,3 +234,18 @@ def test_a_dropped_group_is_freed_at_once_after_its_methods_were_called() -> Non
 
 def test_a_group_used_in_one_expression_lives_through_the_call() -> None:
     assert _group(2).sleep(0) == [0, 1]
+
+
+class _Decorated(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def where(self) -> int:
+        return self.rank
+
+
+def test_a_ray_remote_decorated_worker_class_is_accepted() -> None:
+    # verl decorates its workers with @ray.remote; podium starts the processes itself.
+    ray = pytest.importorskip("ray")
+    cwa = ClassWithInitArgs(ray.remote(_Decorated))
+    assert cwa.cls is _Decorated
+    with WorkerGroup(ResourcePool([2], use_gpu=False), cwa, backend="inline") as wg:
+        assert wg.where() == [0, 1]
