@@ -151,8 +151,13 @@ def run_file(src: Path, rel: str, work: Path, extra: list[str]) -> list[tuple[st
             node = case.find(tag)
             if node is not None:
                 outcome = {"failure": "failed"}.get(tag, tag)
-                reason = (node.get("message") or "").strip().splitlines()
-                reason = reason[0][:200] if reason else ""
+                lines = (node.get("message") or "").strip().splitlines()
+                reason = lines[0][:200] if lines else ""
+                if reason == "collection failure":  # the cause is in the text: its "E" lines
+                    found = [
+                        x[1:].strip() for x in (node.text or "").splitlines() if x.startswith("E ")
+                    ]
+                    reason = f"collection failure: {found[-1][:200]}" if found else reason
                 break
         results.append((name, outcome, reason))
     return results
