@@ -105,9 +105,11 @@ class DataProto:
       DataProto has length 0.
 
     ``auto_padding=True`` asks the dispatcher to pad a batch that does not divide
-    by the DP size (and to drop the pad rows from the result) instead of raising.
-    The constructor copies the ``non_tensor_batch`` and ``meta_info`` dicts it is
-    given, never the tensors or arrays.
+    by the DP size (and to drop the pad rows from the result) instead of raising;
+    ``DataProtoConfig.auto_padding = True`` (or ``PODIUM_AUTO_PADDING=1``) asks it
+    for every DataProto (:meth:`is_padding_enabled`). The constructor copies the
+    ``non_tensor_batch`` and ``meta_info`` dicts it is given, never the tensors
+    or arrays; ``None`` for either means empty, as in verl.
     """
 
     batch: TensorDict | None = None
