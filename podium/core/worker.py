@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from podium.core.decorator import Dispatch, Execute, register
+from podium.errors import DispatchError
 
 __all__ = [
     "ClassWithInitArgs",
@@ -97,7 +98,9 @@ class Worker:
         ``dp_rank`` is the data-parallel replica it belongs to; ``is_collect``
         marks the one rank per replica whose output is gathered (the others --
         TP/PP peers -- receive the same shard and their outputs are dropped).
-        Each mesh is declared once per worker: a second declaration raises ``ValueError``.
+        Each mesh is declared once per worker: a second declaration raises
+        :class:`~podium.errors.DispatchError` (a ``ValueError``, and an ``AssertionError``
+        as verl's check is).
         """
         if not isinstance(dp_rank, int) or dp_rank < 0:
             raise ValueError(f"dp_rank must be an int >= 0, got {dp_rank!r}")
@@ -105,7 +108,7 @@ class Worker:
             # A group reads each mesh's layout once and keeps it: a second
             # declaration would silently disagree with that cached layout.
             dp, collect = self._podium_mesh[mesh_name]
-            raise ValueError(
+            raise DispatchError(
                 f"mesh {mesh_name!r} is already registered on rank {self.rank} (dp_rank={dp}, "
                 f"is_collect={collect}); register each mesh once per worker, or use another mesh name"
             )
