@@ -21,7 +21,9 @@ It prints passed/failed per file and why each failing test failed.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -115,7 +117,9 @@ def write_shim(where: Path) -> None:
         path.write_text(textwrap.dedent(body))
 
 
-def run_file(src: Path, rel: str, work: Path, extra: list[str]) -> list[tuple[str, str, str]]:
+def run_file(
+    src: Path, rel: str, work: Path, ray_tmp: Path, extra: list[str]
+) -> list[tuple[str, str, str]]:
     """``[(test, outcome, reason)]`` for one verl test file, run in its own pytest process."""
     test_dir = work / "verl_tests" / Path(rel).parent.name
     test_dir.mkdir(parents=True, exist_ok=True)
@@ -128,6 +132,10 @@ def run_file(src: Path, rel: str, work: Path, extra: list[str]) -> list[tuple[st
         [str(work / "shim"), str(test_dir), env.get("PYTHONPATH", "")]
     )
     env["PODIUM_BACKEND"] = "ray"
+    # verl's tests call ray.init(num_cpus=...), which joins any Ray cluster already
+    # running on this machine (and then refuses num_cpus): give them a Ray of their own.
+    env.pop("RAY_ADDRESS", None)
+    env["RAY_TMPDIR"] = str(ray_tmp)
     (work / "pytest.ini").write_text("[pytest]\ntimeout = 300\n")
     cmd = [
         sys.executable,
@@ -174,8 +182,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="verl-parity-") as tmp:
         work = Path(tmp)
         write_shim(work / "shim")
+        # Short: Ray's socket paths live under it (a Unix socket path has ~100 characters).
+        ray_tmp = Path(tempfile.mkdtemp(prefix="vp-", dir="/tmp"))
+        atexit.register(shutil.rmtree, ray_tmp, ignore_errors=True)
         for rel in files:
-            results = run_file(src, rel, work, args.pytest_args)
+            results = run_file(src, rel, work, ray_tmp, args.pytest_args)
             counts = {k: sum(1 for _, o, _ in results if o == k) for k in totals}
             for k in totals:
                 totals[k] += counts[k]
