@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from podium.core.decorator import Dispatch, Execute, register
-from podium.errors import DispatchError
 
 __all__ = [
     "ClassWithInitArgs",
@@ -107,6 +106,8 @@ class Worker:
         if mesh_name in self._podium_mesh:
             # A group reads each mesh's layout once and keeps it: a second
             # declaration would silently disagree with that cached layout.
+            from podium.errors import DispatchError
+
             dp, collect = self._podium_mesh[mesh_name]
             raise DispatchError(
                 f"mesh {mesh_name!r} is already registered on rank {self.rank} (dp_rank={dp}, "
