@@ -28,6 +28,7 @@ from podium.core.dispatch import make_nd_compute_dataproto_dispatch_fn
 from podium.core.futures import DataProtoFuture, RankFuture, get
 from podium.core.modes import Dispatched
 from podium.core.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
+from podium.core.protocol_config import DataProtoConfig
 from podium.core.resource import (
     ResourcePool,
     merge_resource_pool,
@@ -44,6 +45,7 @@ from podium.core.worker_group import WorkerGroup
 from podium.errors import (
     CallTimeoutError,
     DataLostError,
+    DataProtoError,
     DispatchError,
     GroupShutdownError,
     PodiumError,
@@ -66,6 +68,8 @@ __all__ = [
     "ClassWithInitArgs",
     "DataLostError",
     "DataProto",
+    "DataProtoConfig",
+    "DataProtoError",
     "DataProtoFuture",
     "Dispatch",
     "Dispatched",

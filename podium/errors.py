@@ -12,6 +12,7 @@ from typing import Any
 __all__ = [
     "CallTimeoutError",
     "DataLostError",
+    "DataProtoError",
     "DispatchError",
     "GroupShutdownError",
     "PodiumError",
@@ -74,8 +75,22 @@ class ResourceUnavailableError(PodiumError):
         super().__init__(message)
 
 
-class DispatchError(PodiumError, ValueError):
-    """Input a dispatch mode cannot split or route."""
+class DispatchError(PodiumError, ValueError, AssertionError):
+    """Input a dispatch mode cannot split or route.
+
+    Also an ``AssertionError``: verl checks these conditions with ``assert``,
+    so ported code that catches ``AssertionError`` keeps working.
+    """
+
+
+class DataProtoError(PodiumError, ValueError, AssertionError):
+    """Input a :class:`podium.DataProto` operation refuses (sizes that disagree, a batch that
+    does not split evenly, ``meta_info`` values that conflict in ``concat`` or ``union``).
+
+    Also an ``AssertionError``, because verl checks these conditions with ``assert``:
+    ported code that catches ``AssertionError`` keeps working, and podium code
+    catches ``ValueError`` (or this class).
+    """
 
 
 class WorkerStartupError(PodiumError):

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 
+from podium.errors import DataProtoError
+
 Key: TypeAlias = "str | tuple[str, ...]"
 
 
@@ -23,7 +25,7 @@ def object_array(values: Sequence[Any]) -> np.ndarray:
 def as_array(key: str, value: Any) -> np.ndarray:
     if isinstance(value, np.ndarray):
         if value.ndim == 0:
-            raise ValueError(
+            raise DataProtoError(
                 f"non_tensor_batch[{key!r}] is a 0-d array; it needs a first dimension "
                 "of size N (put per-batch values in meta_info)"
             )
@@ -160,6 +162,6 @@ def merge_checked(into: dict[str, Any], other: Mapping[str, Any], where: str) ->
     for key, value in other.items():
         if key in into:
             if not values_equal(into[key], value):
-                raise ValueError(f"union: {where} key {key!r} differs between the two DataProtos")
+                raise DataProtoError(f"union: {where} key {key!r} differs between the two DataProtos")
         else:
             into[key] = value

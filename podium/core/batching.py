@@ -32,7 +32,8 @@ every implementation follows (dispatch relies on them):
   ``divisor``, repeating rows from the start (never changes ``batch``);
   ``unpad(batch, rows)`` drops the last ``rows`` rows. A type without them
   cannot be padded: a batch that does not divide is then an error.
-- A batch whose ``auto_padding`` attribute is true may be padded.
+- A batch whose ``is_padding_enabled()`` (or, without that method, whose
+  ``auto_padding`` attribute) is true may be padded.
 """
 
 from __future__ import annotations
@@ -109,7 +110,12 @@ def unpad(batch: Any, rows: int) -> Any:
 
 
 def auto_padding(batch: Any) -> bool:
-    """Whether ``batch`` allows dispatch to pad it."""
+    """Whether ``batch`` allows dispatch to pad it: its ``is_padding_enabled()`` when it has
+    one (a ``DataProto``: its flag or the global ``DataProtoConfig.auto_padding``), else its
+    ``auto_padding`` attribute."""
+    enabled = getattr(batch, "is_padding_enabled", None)
+    if callable(enabled):
+        return bool(enabled())
     return bool(getattr(batch, "auto_padding", False))
 
 

@@ -30,6 +30,7 @@ from podium.core.modes import (
     DispatchMode,
     register_builtin_modes,
 )
+from podium.core.protocol_config import DataProtoConfig
 from podium.errors import DispatchError
 
 __all__ = [
@@ -102,13 +103,22 @@ class PaddedChunkPick:
     """
 
     def __init__(
-        self, index: int, chunks: int, before: Callable[[Any], Any] | None, mode: str, pad: bool
+        self,
+        index: int,
+        chunks: int,
+        before: Callable[[Any], Any] | None,
+        mode: str,
+        pad: bool,
+        padding_enabled: bool = False,
     ) -> None:
         self.index = index
         self.chunks = chunks
         self.before = before
         self.mode = mode
         self.pad = pad
+        # The controller's global switch (DataProtoConfig.auto_padding) when it split
+        # the future: the worker's own process may not have it set.
+        self.padding_enabled = padding_enabled
 
     def __call__(self, data: Any) -> Any:
         if self.before is not None:
@@ -116,7 +126,7 @@ class PaddedChunkPick:
         n = batching.length(data)
         pad = -n % self.chunks if n is not None else 0
         if pad:
-            if not batching.auto_padding(data):
+            if not (self.padding_enabled or batching.auto_padding(data)):
                 raise DispatchError(_not_divisible(self.mode, n or 0, self.chunks))
             if not self.pad:  # DP_COMPUTE_METRIC: shards whose sizes differ by at most one
                 return batching.split(data, _uneven_sizes(self.mode, n or 0, self.chunks))[self.index]
@@ -144,7 +154,8 @@ def _not_divisible(mode: str, n: int, shards: int) -> str:
     return (
         f"{mode}: batch size {n} does not divide by the DP size {shards}. Make the batch "
         f"a multiple of {shards}, or enable padding with DataProto.from_dict(..., "
-        "auto_padding=True) (or data.auto_padding = True): rows are padded for the call "
+        "auto_padding=True), data.auto_padding = True or, for every batch, "
+        "DataProtoConfig.auto_padding = True: rows are padded for the call "
         "and removed from the result."
     )
 
@@ -205,7 +216,9 @@ def _shard(
                 DataProtoFuture(
                     x.collect_fn,
                     x.futures,
-                    PaddedChunkPick(i, shards, x.dispatch_fn, mode, pad_futures),
+                    PaddedChunkPick(
+                        i, shards, x.dispatch_fn, mode, pad_futures, DataProtoConfig.auto_padding
+                    ),
                 )
                 for i in range(shards)
             ]

@@ -11,17 +11,20 @@ A :class:`DataProto` holds three things that travel together:
 
 Contract shared by every operation here:
 
-1. No operation mutates its input, except the two documented as in place:
-   :meth:`DataProto.reorder` and :meth:`DataProto.pop`.
+1. No operation mutates its input, except those documented as in place (as in
+   verl): :meth:`DataProto.reorder`, :meth:`DataProto.pop`, :meth:`DataProto.padding`,
+   and :meth:`DataProto.to`, :meth:`DataProto.rename`, :meth:`DataProto.union`, which
+   change ``self`` and return it. Dispatch never calls them on the caller's object.
 2. Every returned ``DataProto`` owns its ``TensorDict`` object and its
    ``non_tensor_batch`` / ``meta_info`` dicts (shallow copies), so setting a key
    or a meta value on one chunk never shows up in another chunk or in the
    source (verl shared one ``meta_info`` dict between all chunks). Tensor and
    array *memory* is shared where numpy/torch indexing shares it (slices,
    chunks, splits are views); use :meth:`DataProto.copy` for independent memory.
-3. Bad input raises ``ValueError`` / ``TypeError`` / ``KeyError`` /
-   ``IndexError`` naming the key and the sizes involved; nothing is checked
-   with ``assert``.
+3. Bad input raises :class:`podium.errors.DataProtoError` (a ``ValueError`` and,
+   for code ported from verl, an ``AssertionError``) / ``TypeError`` /
+   ``KeyError`` / ``IndexError`` naming the key and the sizes involved; nothing
+   is checked with ``assert``.
 
 Pickling bypasses TensorDict's own pickling and ``torch.save``: a DataProto
 pickles as a flat dict of plain tensors, so podium's serializer
@@ -31,6 +34,8 @@ pickles as a flat dict of plain tensors, so podium's serializer
 from __future__ import annotations
 
 import copy as _copy
+import os
+import pickle
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, overload
@@ -52,6 +57,8 @@ from podium.core._batch_utils import (
     tensor_shapes,
     values_equal,
 )
+from podium.core.protocol_config import DataProtoConfig
+from podium.errors import DataProtoError
 
 __all__ = [
     "DataProto",
@@ -98,9 +105,11 @@ class DataProto:
       DataProto has length 0.
 
     ``auto_padding=True`` asks the dispatcher to pad a batch that does not divide
-    by the DP size (and to drop the pad rows from the result) instead of raising.
-    The constructor copies the ``non_tensor_batch`` and ``meta_info`` dicts it is
-    given, never the tensors or arrays.
+    by the DP size (and to drop the pad rows from the result) instead of raising;
+    ``DataProtoConfig.auto_padding = True`` (or ``PODIUM_AUTO_PADDING=1``) asks it
+    for every DataProto (:meth:`is_padding_enabled`). The constructor copies the
+    ``non_tensor_batch`` and ``meta_info`` dicts it is given, never the tensors
+    or arrays; ``None`` for either means empty, as in verl.
     """
 
     batch: TensorDict | None = None
@@ -109,6 +118,11 @@ class DataProto:
     auto_padding: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
+        # verl spells "empty" as None too: DataProto(batch=None, non_tensor_batch=None).
+        if self.non_tensor_batch is None:
+            self.non_tensor_batch = {}
+        if self.meta_info is None:
+            self.meta_info = {}
         if self.batch is not None and not isinstance(self.batch, TensorDictBase):
             raise TypeError(f"batch must be a TensorDict or None, got {type(self.batch).__name__}")
         if not isinstance(self.non_tensor_batch, Mapping):
@@ -122,14 +136,16 @@ class DataProto:
         self.check_consistency()
 
     def check_consistency(self) -> None:
-        """Raise ``ValueError`` unless every part agrees on the sample dimension N."""
+        """Raise :class:`DataProtoError` unless every part agrees on the sample dimension N."""
         n: int | None = None
         source = ""
         if self.batch is not None:
-            if len(self.batch.batch_size) == 0:
-                raise ValueError(
-                    "batch must have at least one batch dimension (the sample dimension), "
-                    "got batch_size=[]"
+            if len(self.batch.batch_size) != 1:
+                raise DataProtoError(
+                    "batch must have exactly one batch dimension (the sample dimension), "
+                    f"got batch_size={list(self.batch.batch_size)}; as in verl, a DataProto "
+                    "has one batch dim (use fold_batch_dim/unfold_batch_dim to group rows, "
+                    "or pass a TensorDict with more batch dims)"
                 )
             n, source = (
                 int(self.batch.batch_size[0]),
@@ -139,7 +155,7 @@ class DataProto:
             if n is None:
                 n, source = value.shape[0], f"non_tensor_batch[{key!r}]"
             elif value.shape[0] != n:
-                raise ValueError(
+                raise DataProtoError(
                     f"non_tensor_batch[{key!r}] has {value.shape[0]} rows but {source} has {n}; "
                     "every entry needs the same first dimension"
                 )
@@ -152,34 +168,48 @@ class DataProto:
         tensors: Mapping[str, Any] | None = None,
         non_tensors: Mapping[str, Any] | None = None,
         meta_info: Mapping[str, Any] | None = None,
-        *,
-        auto_padding: bool = False,
         num_batch_dims: int = 1,
+        auto_padding: bool = False,
     ) -> DataProto:
         """Build from ``{name: tensor}`` (nested dicts allowed), ``{name: array|list}`` and meta.
 
-        The batch size is the first ``num_batch_dims`` dims of the tensors, which
-        must all agree. No tensors: ``batch`` is ``None``.
+        The parameters and their order are verl's. The batch size is the first
+        dim of the tensors, which must agree. No tensors: ``batch`` is ``None``.
+        ``num_batch_dims`` must be 1: a DataProto has one batch dimension (verl
+        refuses other values too); keep a ``TensorDict`` for more, or group rows
+        with :func:`fold_batch_dim`.
         """
-        if not isinstance(num_batch_dims, int) or num_batch_dims < 1:
-            raise ValueError(f"num_batch_dims must be an int >= 1, got {num_batch_dims!r}")
+        if not isinstance(num_batch_dims, int) or isinstance(num_batch_dims, bool) or num_batch_dims < 1:
+            raise DataProtoError(f"num_batch_dims must be an int >= 1, got {num_batch_dims!r}")
+        if not isinstance(auto_padding, bool):
+            raise TypeError(f"auto_padding must be a bool, got {type(auto_padding).__name__}")
         batch = None
         if tensors:
             shapes = tensor_shapes(tensors)
             first_key, first_shape = next(iter(shapes.items()))
             if len(first_shape) < num_batch_dims:
-                raise ValueError(
+                raise DataProtoError(
                     f"tensor {first_key!r} has shape {list(first_shape)}, fewer dims than "
                     f"num_batch_dims={num_batch_dims}"
                 )
             batch_size = first_shape[:num_batch_dims]
             for key, shape in shapes.items():
                 if shape[:num_batch_dims] != batch_size:
-                    raise ValueError(
+                    raise DataProtoError(
                         f"tensor {key!r} has shape {list(shape)} but tensor {first_key!r} has "
                         f"{list(first_shape)}; the first {num_batch_dims} dim(s) must agree"
                     )
+            if num_batch_dims != 1:
+                raise DataProtoError(
+                    f"num_batch_dims={num_batch_dims}: a DataProto has exactly one batch dimension "
+                    "(verl asserts the same); use a TensorDict for several batch dims, or "
+                    "fold_batch_dim(data, new_batch_size) to group rows"
+                )
             batch = TensorDict(dict(tensors), batch_size=list(batch_size))
+        elif num_batch_dims != 1:
+            raise DataProtoError(
+                f"num_batch_dims={num_batch_dims}: a DataProto has exactly one batch dimension"
+            )
         return cls(
             batch=batch,
             non_tensor_batch=dict(non_tensors or {}),
@@ -192,7 +222,6 @@ class DataProto:
         cls,
         data: Mapping[str, Any],
         meta_info: Mapping[str, Any] | None = None,
-        *,
         auto_padding: bool = False,
     ) -> DataProto:
         """Build from one dict: tensors go to ``batch``, arrays and lists to ``non_tensor_batch``."""
@@ -213,21 +242,34 @@ class DataProto:
     @classmethod
     def from_tensordict(
         cls,
-        td: TensorDictBase,
+        tensor_dict: TensorDictBase,
         meta_info: Mapping[str, Any] | None = None,
+        num_batch_dims: int = 1,
         *,
         auto_padding: bool = False,
     ) -> DataProto:
-        """Inverse of :meth:`to_tensordict`; ``td`` is not modified.
+        """Inverse of :meth:`to_tensordict`; ``tensor_dict`` is not modified.
 
         Top-level ``NonTensorStack`` entries become ``non_tensor_batch`` object
         arrays; top-level ``NonTensorData`` entries (one value for the whole
         batch) become ``meta_info``; everything else, tensors and nested
         TensorDicts, stays in ``batch``. Explicit ``meta_info`` wins over
-        entries of the same name in ``td``.
+        entries of the same name in ``tensor_dict``. The parameter names are
+        verl's; ``num_batch_dims`` must be 1 (the batch keeps only the first
+        batch dim of ``tensor_dict``), as in verl.
         """
+        td = tensor_dict
         if not isinstance(td, TensorDictBase):
             raise TypeError(f"from_tensordict needs a TensorDict, got {type(td).__name__}")
+        if num_batch_dims != 1:
+            raise DataProtoError(
+                f"num_batch_dims={num_batch_dims}: a DataProto has exactly one batch dimension "
+                "(verl asserts the same); keep the TensorDict for several batch dims"
+            )
+        if td.batch_dims == 0:
+            raise DataProtoError(
+                "from_tensordict needs a TensorDict with a batch dimension, got batch_size=[]"
+            )
         non_tensors: dict[str, np.ndarray] = {}
         meta: dict[str, Any] = {}
         for key in list(td.keys()):
@@ -237,6 +279,8 @@ class DataProto:
             elif isinstance(value, NonTensorData):
                 meta[key] = value.data
         batch = td.exclude(*non_tensors, *meta) if (non_tensors or meta) else td.copy()
+        if batch.batch_dims > 1:
+            batch.batch_size = batch.batch_size[:1]
         meta.update(meta_info or {})
         return cls(
             batch=batch, non_tensor_batch=non_tensors, meta_info=meta, auto_padding=auto_padding
@@ -255,7 +299,7 @@ class DataProto:
         clash = (set(self.non_tensor_batch) | set(self.meta_info)) & set(td.keys())
         clash |= set(self.non_tensor_batch) & set(self.meta_info)
         if clash:
-            raise ValueError(
+            raise DataProtoError(
                 f"key(s) {sorted(map(str, clash))} appear in more than one of batch, "
                 "non_tensor_batch and meta_info; a TensorDict holds each name once"
             )
@@ -342,7 +386,9 @@ class DataProto:
     ) -> DataProto:
         """A DataProto with only the named keys (``None`` keeps all keys of that part).
 
-        Shares tensors and arrays unless ``deepcopy=True``.
+        Shares tensors and arrays unless ``deepcopy=True``. As in verl, a batch
+        key that is not there raises ``KeyError``, while ``non_tensor_batch`` and
+        ``meta_info`` keys that are not there are skipped (select what exists).
         """
         batch = self.batch
         if batch is not None:
@@ -354,18 +400,14 @@ class DataProto:
                 batch = batch.select(*keys)
         elif batch_keys:
             raise KeyError(f"batch has no key(s) {list(batch_keys)}: this DataProto has no batch")
-        nt_keys = (
-            list(self.non_tensor_batch)
-            if non_tensor_batch_keys is None
-            else as_key_list(non_tensor_batch_keys, "non_tensor_batch_keys")
-        )
-        missing(nt_keys, self.non_tensor_batch, "non_tensor_batch")
-        meta_keys = (
-            list(self.meta_info)
-            if meta_info_keys is None
-            else as_key_list(meta_info_keys, "meta_info_keys")
-        )
-        missing(meta_keys, self.meta_info, "meta_info")
+        nt_keys = list(self.non_tensor_batch)
+        if non_tensor_batch_keys is not None:
+            wanted = set(as_key_list(non_tensor_batch_keys, "non_tensor_batch_keys"))
+            nt_keys = [k for k in nt_keys if k in wanted]
+        meta_keys = list(self.meta_info)
+        if meta_info_keys is not None:
+            wanted = set(as_key_list(meta_info_keys, "meta_info_keys"))
+            meta_keys = [k for k in meta_keys if k in wanted]
         out = type(self)(
             batch=batch,
             non_tensor_batch={k: self.non_tensor_batch[k] for k in nt_keys},
@@ -407,36 +449,45 @@ class DataProto:
         )
 
     def rename(self, old_keys: str | Sequence[str], new_keys: str | Sequence[str]) -> DataProto:
-        """A DataProto with keys renamed (in ``batch`` or ``non_tensor_batch``, where found)."""
+        """In place, as in verl: rename keys (in ``batch`` or ``non_tensor_batch``, where
+        found) and return ``self``. All names are checked before anything changes."""
         old = as_key_list(old_keys, "old_keys")
         new = as_key_list(new_keys, "new_keys")
         if len(old) != len(new):
-            raise ValueError(
+            raise DataProtoError(
                 f"rename needs as many new keys as old keys, got {len(old)} old and {len(new)} new"
             )
-        batch = self.batch.copy() if self.batch is not None else None
-        non_tensors = dict(self.non_tensor_batch)
-        taken = set(non_tensors) | (set(batch.keys()) if batch is not None else set())
+        batch_keys = set(self.batch.keys()) if self.batch is not None else set()
+        taken = set(self.non_tensor_batch) | batch_keys
+        plan: list[tuple[str, str, bool]] = []
         for o, n in zip(old, new):
             if o == n:
                 continue
             if n in taken:
-                raise ValueError(f"cannot rename {o!r} to {n!r}: {n!r} already exists")
-            if batch is not None and o in batch.keys():
-                batch.rename_key_(o, n)
-            elif o in non_tensors:
-                non_tensors[n] = non_tensors.pop(o)
+                raise DataProtoError(f"cannot rename {o!r} to {n!r}: {n!r} already exists")
+            if o in batch_keys:
+                plan.append((o, n, True))
+                batch_keys.discard(o)
+                batch_keys.add(n)
+            elif o in self.non_tensor_batch and all(p[0] != o for p in plan):
+                plan.append((o, n, False))
             else:
                 raise KeyError(f"cannot rename {o!r}: no such key in batch or non_tensor_batch")
             taken.discard(o)
             taken.add(n)
-        return self._new(batch, non_tensors)
+        for o, n, in_batch in plan:
+            if in_batch and self.batch is not None:
+                self.batch.rename_key_(o, n)
+            else:
+                self.non_tensor_batch[n] = self.non_tensor_batch.pop(o)
+        return self
 
     def union(self, other: DataProto) -> DataProto:
-        """A DataProto with the keys of both (neither input changes).
+        """In place, as in verl: add the keys of ``other`` to ``self`` and return ``self``.
 
-        A key present in both must hold equal values, else ``ValueError``.
-        Lengths must match. The result keeps ``self.auto_padding``.
+        A key present in both must hold equal values, else :class:`DataProtoError`;
+        lengths must match. Everything is checked before ``self`` changes.
+        ``self.auto_padding`` stays as it is.
         """
         if not isinstance(other, DataProto):
             raise TypeError(f"union needs a DataProto, got {type(other).__name__}")
@@ -444,31 +495,36 @@ class DataProto:
             other.batch is not None or other.non_tensor_batch
         ):
             if len(self) != len(other):
-                raise ValueError(f"cannot union DataProtos of length {len(self)} and {len(other)}")
-        batch = self.batch.copy() if self.batch is not None else None
-        if other.batch is not None:
-            if batch is None:
-                batch = other.batch.copy()
-            else:
-                if batch.batch_size != other.batch.batch_size:
-                    raise ValueError(
-                        f"cannot union batches of batch_size {list(batch.batch_size)} and "
-                        f"{list(other.batch.batch_size)}"
-                    )
-                mine = leaves(batch)
-                for key, value in leaves(other.batch).items():
-                    if key in mine:
-                        if not values_equal(mine[key], value):
-                            raise ValueError(
-                                f"union: batch key {key!r} differs between the two DataProtos"
-                            )
-                    else:
-                        batch.set(key, value)
+                raise DataProtoError(f"cannot union DataProtos of length {len(self)} and {len(other)}")
+        new_leaves: dict[Key, Any] = {}
+        if other.batch is not None and self.batch is not None:
+            if self.batch.batch_size != other.batch.batch_size:
+                raise DataProtoError(
+                    f"cannot union batches of batch_size {list(self.batch.batch_size)} and "
+                    f"{list(other.batch.batch_size)}"
+                )
+            mine = leaves(self.batch)
+            for key, value in leaves(other.batch).items():
+                if key in mine:
+                    if not values_equal(mine[key], value):
+                        raise DataProtoError(
+                            f"union: batch key {key!r} differs between the two DataProtos"
+                        )
+                else:
+                    new_leaves[key] = value
         non_tensors = dict(self.non_tensor_batch)
         merge_checked(non_tensors, other.non_tensor_batch, "non_tensor_batch")
-        out = self._new(batch, non_tensors)
-        merge_checked(out.meta_info, other.meta_info, "meta_info")
-        return out
+        meta = dict(self.meta_info)
+        merge_checked(meta, other.meta_info, "meta_info")
+        if other.batch is not None:
+            if self.batch is None:
+                self.batch = other.batch.copy()
+            else:
+                for key, value in new_leaves.items():
+                    self.batch.set(key, value)
+        self.non_tensor_batch.update(non_tensors)
+        self.meta_info.update(meta)
+        return self
 
     # -- reshaping -----------------------------------------------------------
 
@@ -481,10 +537,18 @@ class DataProto:
     def chunk(self, chunks: int) -> list[DataProto]:
         """Split into ``chunks`` equal parts (views); ``len(self)`` must divide by ``chunks``."""
         if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-            raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+            raise DataProtoError(f"chunks must be a positive int, got {chunks!r}")
         n = len(self)
         if n % chunks:
-            raise ValueError(
+            if self.is_padding_enabled():
+                raise DataProtoError(
+                    f"a DataProto of length {n} cannot be split into {chunks} equal chunks. "
+                    "Padding is enabled for it, but chunk() does not pad: verl's chunk() then "
+                    "returns chunks of unequal size; in podium dispatch pads (and removes the pad "
+                    "rows from the result), and code that chunks by hand pads first with "
+                    "pad_dataproto_to_divisor(data, chunks) or data.padding(pad_size)"
+                )
+            raise DataProtoError(
                 f"a DataProto of length {n} cannot be split into {chunks} equal chunks; "
                 "pad it first (pad_dataproto_to_divisor) or set auto_padding=True for dispatch"
             )
@@ -494,7 +558,7 @@ class DataProto:
     def split(self, split_size: int) -> list[DataProto]:
         """Split into parts of ``split_size`` rows (views); the last may be shorter."""
         if not isinstance(split_size, int) or isinstance(split_size, bool) or split_size < 1:
-            raise ValueError(f"split_size must be a positive int, got {split_size!r}")
+            raise DataProtoError(f"split_size must be a positive int, got {split_size!r}")
         return [self._take(slice(i, i + split_size)) for i in range(0, len(self), split_size)]
 
     @classmethod
@@ -503,14 +567,15 @@ class DataProto:
 
         All parts must have the same batch keys and non-tensor keys.
         ``meta_info`` is the union of the parts' meta_info. A key present in
-        several parts with different values keeps the first part's value (as
-        verl does: per-rank values such as timings must not fail a collect) --
-        except ``"metrics"`` (a dict, or list of dicts, per part), which is
-        merged into one dict of lists. ``auto_padding`` comes from the first part.
+        several parts must hold equal values, else :class:`DataProtoError` (as in
+        verl) -- except ``"metrics"`` (a dict, or list of dicts, per part; ``None``
+        is skipped), which is merged into one dict of lists: per-rank values
+        belong under ``meta_info["metrics"]``. ``auto_padding`` comes from the
+        first part.
         """
         parts = list(data)
         if not parts:
-            raise ValueError("concat needs at least one DataProto, got an empty list")
+            raise DataProtoError("concat needs at least one DataProto, got an empty list")
         for i, part in enumerate(parts):
             if not isinstance(part, DataProto):
                 raise TypeError(f"concat: item {i} is a {type(part).__name__}, not a DataProto")
@@ -518,10 +583,17 @@ class DataProto:
         metrics: list[Any] = []
         for part in parts:
             for key, value in part.meta_info.items():
-                if key == "metrics" and is_metrics(value):
-                    metrics.extend(value if isinstance(value, list) else [value])
+                if key == "metrics" and (value is None or is_metrics(value)):
+                    if value is not None:
+                        metrics.extend(value if isinstance(value, list) else [value])
                 elif key not in meta:
                     meta[key] = value
+                elif not values_equal(meta[key], value):
+                    raise DataProtoError(
+                        f"Conflicting values for meta_info key {key!r} in concat: {meta[key]!r} "
+                        f"and {value!r}. Values that differ per part (per rank) belong under "
+                        'meta_info["metrics"], which concat merges'
+                    )
         if metrics:
             merged: dict[str, list[Any]] = {}
             for entry in metrics:
@@ -537,14 +609,14 @@ class DataProto:
         first = parts[0]
         batches = [p.batch for p in parts if p.batch is not None]
         if batches and len(batches) != len(parts):
-            raise ValueError("concat: some DataProtos have a batch and some do not")
+            raise DataProtoError("concat: some DataProtos have a batch and some do not")
         batch = None
         if batches:
             keys = set(leaves(batches[0]))
             for i, part_batch in enumerate(batches[1:], 1):
                 other = set(leaves(part_batch))
                 if other != keys:
-                    raise ValueError(
+                    raise DataProtoError(
                         f"concat: batch keys of item {i} {sorted(map(str, other))} differ from "
                         f"item 0 {sorted(map(str, keys))}"
                     )
@@ -552,7 +624,7 @@ class DataProto:
         nt_keys = set(first.non_tensor_batch)
         for i, part in enumerate(parts[1:], 1):
             if set(part.non_tensor_batch) != nt_keys:
-                raise ValueError(
+                raise DataProtoError(
                     f"concat: non_tensor_batch keys of item {i} {sorted(part.non_tensor_batch)} "
                     f"differ from item 0 {sorted(nt_keys)}"
                 )
@@ -570,21 +642,203 @@ class DataProto:
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
         """Each row ``repeat_times`` times: ``aabb`` with ``interleave``, else ``abab``."""
         if not isinstance(repeat_times, int) or isinstance(repeat_times, bool) or repeat_times < 1:
-            raise ValueError(f"repeat_times must be a positive int, got {repeat_times!r}")
+            raise DataProtoError(f"repeat_times must be a positive int, got {repeat_times!r}")
         rows = np.arange(len(self))
         index = np.repeat(rows, repeat_times) if interleave else np.tile(rows, repeat_times)
         return self._take(index)
 
+    def sample_level_repeat(self, repeat_times: Sequence[int] | np.ndarray | torch.Tensor) -> DataProto:
+        """Row ``i`` repeated ``repeat_times[i]`` times, in row order (``aaabcc`` for ``[3, 1, 2]``)."""
+        if isinstance(repeat_times, torch.Tensor):
+            times = repeat_times.detach().cpu().numpy()
+        else:
+            times = np.asarray(repeat_times)
+        if times.ndim != 1 or times.shape[0] != len(self):
+            raise DataProtoError(
+                f"repeat_times needs one count per row ({len(self)}), got shape {list(times.shape)}"
+            )
+        if times.size and (not np.issubdtype(times.dtype, np.integer) or times.min() < 0):
+            raise DataProtoError("repeat_times must hold ints >= 0")
+        return self._take(np.repeat(np.arange(len(self)), times.astype(np.int64)))
+
+    def unfold_column_chunks(self, n_split: int, split_keys: Sequence[str] | None = None) -> DataProto:
+        """Cut each row of the ``split_keys`` into ``n_split`` pieces along dim 1 and make each
+        piece a row; the other keys repeat each row ``n_split`` times (verl's semantics).
+
+        A 1-D object array whose rows are equal-length sequences is split as if it
+        were 2-D (the result is a 2-D object array, as verl gives).
+        """
+        if not isinstance(n_split, int) or isinstance(n_split, bool) or n_split < 1:
+            raise DataProtoError(f"n_split must be a positive int, got {n_split!r}")
+        keys = set(as_key_list(split_keys, "split_keys"))
+        n = len(self)
+
+        def cut(key: str, value: Any) -> Any:
+            if value.ndim < 2 or value.shape[1] % n_split:
+                raise DataProtoError(
+                    f"unfold_column_chunks: {key!r} has shape {list(value.shape)}; its dim 1 must "
+                    f"divide by n_split={n_split}"
+                )
+            return value.reshape(n * n_split, value.shape[1] // n_split, *value.shape[2:])
+
+        batch = None
+        if self.batch is not None:
+            batch = TensorDict({}, batch_size=[n * n_split], device=self.batch.device)
+            for key, value in leaves(self.batch).items():
+                if key in keys:
+                    batch.set(key, cut(str(key), value))
+                else:
+                    batch.set(key, torch.repeat_interleave(value, n_split, dim=0))
+        non_tensors: dict[str, np.ndarray] = {}
+        for key, arr in self.non_tensor_batch.items():
+            if key not in keys:
+                non_tensors[key] = np.repeat(arr, n_split, axis=0)
+                continue
+            if arr.ndim == 1 and arr.dtype == object and n:
+                widths = {len(row) if isinstance(row, (list, tuple, np.ndarray)) else -1 for row in arr}
+                if len(widths) != 1 or -1 in widths:
+                    raise DataProtoError(
+                        f"unfold_column_chunks: the rows of non_tensor_batch[{key!r}] must be "
+                        "sequences of one length"
+                    )
+                grid = np.empty((n, widths.pop()), dtype=object)
+                for i, row in enumerate(arr):
+                    grid[i, :] = list(row)
+                arr = grid
+            non_tensors[key] = cut(key, arr)
+        return self._new(batch, non_tensors)
+
+    def is_padding_enabled(self) -> bool:
+        """Whether dispatch may pad this batch: its ``auto_padding`` flag, verl's
+        ``meta_info["_verl_auto_padding"]``, or the global :class:`DataProtoConfig` switch."""
+        return bool(
+            self.auto_padding
+            or self.meta_info.get(DataProtoConfig.auto_padding_key, False)
+            or DataProtoConfig.auto_padding
+        )
+
+    def padding(self, padding_size: int, padding_candidate: str = "") -> None:
+        """In place, as in verl: append ``padding_size`` copies of the last row (of the first
+        row with ``padding_candidate="first"``). Dispatch never calls this on your data; it
+        pads a new object (:func:`pad_dataproto_to_divisor`)."""
+        if not isinstance(padding_size, int) or isinstance(padding_size, bool) or padding_size < 0:
+            raise DataProtoError(f"padding_size must be an int >= 0, got {padding_size!r}")
+        if padding_size == 0:
+            return
+        n = len(self)
+        if n == 0:
+            raise DataProtoError("cannot pad an empty DataProto: there is no row to repeat")
+        row = 0 if padding_candidate == "first" else n - 1
+        padded = self._take(np.concatenate([np.arange(n), np.full(padding_size, row)]))
+        self.batch = padded.batch
+        self.non_tensor_batch = padded.non_tensor_batch
+
+    def make_iterator(
+        self,
+        mini_batch_size: int,
+        epochs: int,
+        seed: int | None = None,
+        dataloader_kwargs: dict[str, Any] | None = None,
+    ) -> Iterator[DataProto]:
+        """Mini-batches of ``mini_batch_size`` rows, ``epochs`` times over (verl's semantics).
+
+        Rows are drawn by a ``torch.utils.data.DataLoader`` built with
+        ``dataloader_kwargs`` (``{"shuffle": True}`` shuffles; ``seed`` seeds its
+        generator so two iterators with one seed agree). ``len(self)`` must divide
+        by ``mini_batch_size``. Each mini-batch gets its own copy of ``meta_info``.
+        """
+        if not isinstance(mini_batch_size, int) or mini_batch_size < 1:
+            raise DataProtoError(f"mini_batch_size must be a positive int, got {mini_batch_size!r}")
+        if len(self) % mini_batch_size:
+            raise DataProtoError(
+                f"make_iterator: the DataProto has {len(self)} rows, which does not divide by "
+                f"mini_batch_size={mini_batch_size}"
+            )
+        kwargs = dict(dataloader_kwargs or {})
+        if not isinstance(dataloader_kwargs, (dict, type(None))):
+            raise TypeError(f"dataloader_kwargs must be a dict, got {type(dataloader_kwargs).__name__}")
+        from torch.utils.data import DataLoader
+
+        generator = None
+        if seed is not None:
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+        loader: DataLoader[DataProto] = DataLoader(
+            range(len(self)),  # type: ignore[arg-type]
+            batch_size=mini_batch_size,
+            collate_fn=_RowPicker(self),
+            generator=generator,
+            **kwargs,
+        )
+
+        def batches() -> Iterator[DataProto]:
+            for _ in range(epochs):
+                yield from loader
+
+        return batches()
+
+    def select_idxs(self, idxs: Sequence[int] | Sequence[bool] | np.ndarray | torch.Tensor) -> DataProto:
+        """The rows at ``idxs`` (ints or a boolean mask; list, array or tensor) as a new DataProto."""
+        return self._take(normalize_index(idxs, len(self)))
+
+    def save_to_disk(self, filepath: str | os.PathLike[str]) -> None:
+        """Pickle to ``filepath`` (read back with :meth:`load_from_disk`)."""
+        with open(filepath, "wb") as f:
+            pickle.dump(self, f)
+
+    @classmethod
+    def load_from_disk(cls, filepath: str | os.PathLike[str]) -> DataProto:
+        """Read a DataProto written by :meth:`save_to_disk`.
+
+        This unpickles the file: load only files you trust.
+        """
+        with open(filepath, "rb") as f:
+            data = pickle.load(f)
+        if not isinstance(data, DataProto):
+            raise TypeError(f"{os.fspath(filepath)!r} holds a {type(data).__name__}, not a DataProto")
+        return data
+
+    def get_data_info(self) -> str:
+        """A multi-line summary: each batch key's shape, dtype and device, each non-tensor
+        array's shape and dtype, and each ``meta_info`` value's type (nested types spelled out)."""
+        info = ["batch"]
+        if self.batch is not None:
+            for key, value in leaves(self.batch).items():
+                name = ".".join(key) if isinstance(key, tuple) else key
+                if isinstance(value, torch.Tensor):
+                    info.append(f"  {name}: {tuple(value.shape)} ({value.dtype}) {value.device}")
+                else:
+                    info.append(f"  {name}: {type(value).__name__}")
+        info.append("non_tensor_batch")
+        for key, arr in self.non_tensor_batch.items():
+            info.append(f"  {key}: ndarray{arr.shape} ({arr.dtype})")
+        info.append("meta_info")
+        for key, value in self.meta_info.items():
+            info.append(f"  {key}: {type_info(value)}")
+        return "\n".join(info)
+
+    def print_size(self, prefix: str = "") -> None:
+        """Print the memory the tensors and the non-tensor arrays take, in GB."""
+        tensor_bytes = 0
+        if self.batch is not None:
+            for value in leaves(self.batch).values():
+                if isinstance(value, torch.Tensor):
+                    tensor_bytes += value.element_size() * value.numel()
+        array_bytes = sum(arr.nbytes for arr in self.non_tensor_batch.values())
+        message = (
+            f"Size of tensordict: {tensor_bytes / 1024**3} GB, "
+            f"size of non_tensor_batch: {array_bytes / 1024**3} GB"
+        )
+        print(f"{prefix}, {message}" if prefix else message)
+
     # -- devices, copies, pickling --------------------------------------------
 
     def to(self, device: str | torch.device) -> DataProto:
-        """A DataProto whose batch is on ``device`` (non-tensors stay where they are)."""
-        batch = None
+        """In place, as in verl: move the batch to ``device`` and return ``self``
+        (non-tensors stay where they are). ``copy.copy(data).to(device)`` leaves ``data`` as it is."""
         if self.batch is not None:
-            batch = self.batch.to(device)
-            if batch is self.batch:
-                batch = batch.copy()
-        return self._new(batch, dict(self.non_tensor_batch))
+            self.batch = self.batch.to(device)
+        return self
 
     def copy(self) -> DataProto:
         """An independent deep copy (tensors, arrays and meta_info values copied)."""
@@ -661,6 +915,33 @@ class DataProto:
         return f"{type(self).__name__}({', '.join(parts)})"
 
 
+class _RowPicker:
+    """``collate_fn`` of :meth:`DataProto.make_iterator`: a list of row numbers -> those rows."""
+
+    def __init__(self, data: DataProto) -> None:
+        self.data = data
+
+    def __call__(self, rows: list[int]) -> DataProto:
+        return self.data._take(np.asarray(rows, dtype=np.int64))
+
+
+def type_info(value: Any) -> str:
+    """The type of ``value``, with the element types of lists, tuples, dicts and arrays."""
+    if isinstance(value, list):
+        elems = sorted({type_info(v) for v in value[:3]})
+        return f"list[{'|'.join(elems) if elems else '...'}]"
+    if isinstance(value, tuple):
+        return f"tuple({', '.join(type_info(v) for v in value)})"
+    if isinstance(value, dict):
+        if not value:
+            return "dict"
+        k, v = next(iter(value.items()))
+        return f"dict[{type_info(k)}: {type_info(v)}]"
+    if isinstance(value, np.ndarray):
+        return f"ndarray{value.shape} ({value.dtype})"
+    return type(value).__name__
+
+
 def _rebuild(cls: type[DataProto], state: dict[str, Any]) -> DataProto:
     obj = cls.__new__(cls)
     obj.__setstate__(state)
@@ -712,7 +993,7 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
     first rows, repeated cyclically when ``pad_size > len(data)``.
     """
     if not isinstance(size_divisor, int) or isinstance(size_divisor, bool) or size_divisor < 1:
-        raise ValueError(f"size_divisor must be a positive int, got {size_divisor!r}")
+        raise DataProtoError(f"size_divisor must be a positive int, got {size_divisor!r}")
     n = len(data)
     pad_size = -n % size_divisor
     if pad_size == 0:
@@ -725,11 +1006,11 @@ def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataPr
 def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     """Drop the last ``pad_size`` rows (a view); ``pad_size == 0`` returns ``data`` itself."""
     if not isinstance(pad_size, int) or isinstance(pad_size, bool) or pad_size < 0:
-        raise ValueError(f"pad_size must be an int >= 0, got {pad_size!r}")
+        raise DataProtoError(f"pad_size must be an int >= 0, got {pad_size!r}")
     if pad_size == 0:
         return data
     if pad_size > len(data):
-        raise ValueError(
+        raise DataProtoError(
             f"cannot remove {pad_size} pad rows from a DataProto of length {len(data)}"
         )
     return data.slice(0, len(data) - pad_size)

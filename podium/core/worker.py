@@ -121,15 +121,19 @@ class Worker:
         ``dp_rank`` is the data-parallel replica it belongs to; ``is_collect``
         marks the one rank per replica whose output is gathered (the others --
         TP/PP peers -- receive the same shard and their outputs are dropped).
-        Each mesh is declared once per worker: a second declaration raises ``ValueError``.
+        Each mesh is declared once per worker: a second declaration raises
+        :class:`~podium.errors.DispatchError` (a ``ValueError``, and an ``AssertionError``
+        as verl's check is).
         """
         if not isinstance(dp_rank, int) or dp_rank < 0:
             raise ValueError(f"dp_rank must be an int >= 0, got {dp_rank!r}")
         if mesh_name in self._podium_mesh:
             # A group reads each mesh's layout once and keeps it: a second
             # declaration would silently disagree with that cached layout.
+            from podium.errors import DispatchError
+
             dp, collect = self._podium_mesh[mesh_name]
-            raise ValueError(
+            raise DispatchError(
                 f"mesh {mesh_name!r} is already registered on rank {self.rank} (dp_rank={dp}, "
                 f"is_collect={collect}); register each mesh once per worker, or use another mesh name"
             )
@@ -238,6 +242,7 @@ class ClassWithInitArgs(Generic[T]):
     """A deferred constructor: the class and the arguments each rank builds it with."""
 
     def __init__(self, cls: type[T], *args: Any, **kwargs: Any) -> None:
+        cls = _undecorated(cls)
         if not isinstance(cls, type):
             raise TypeError(f"ClassWithInitArgs needs a class, got {cls!r}")
         self.cls = cls
@@ -249,6 +254,17 @@ class ClassWithInitArgs(Generic[T]):
 
     def __repr__(self) -> str:
         return f"ClassWithInitArgs({self.cls.__qualname__})"
+
+
+def _undecorated(cls: Any) -> Any:
+    """The user's class behind a ``@ray.remote`` decoration (verl's workers carry one).
+
+    podium starts the processes itself, on any backend, so it needs the plain
+    class; read through Ray's own metadata without importing Ray.
+    """
+    modified = getattr(getattr(cls, "__ray_metadata__", None), "modified_class", None)
+    original = getattr(modified, "__ray_actor_class__", None)
+    return original if isinstance(original, type) else cls
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,14 @@ ROOT = Path(podium.__file__).parent
 # Lowest first. A module may import modules of lower layers only.
 LAYERS: list[set[str]] = [
     {"podium.errors"},
-    {"podium.core._batch_utils", "podium.core.importability", "podium.core.modes"},
+    {
+        "podium.core._batch_utils",
+        "podium.core.importability",
+        "podium.core.modes",
+        "podium.core.protocol_config",
+    },
     {"podium.core.protocol", "podium.core.serialization", "podium.core.resource"},
-    {"podium.core.dataplane"},
+    {"podium.core.dataplane", "podium.core.protocol_ops"},
     {"podium.core.futures"},
     {"podium.core.batching"},
     {"podium.core.dispatch"},

@@ -17,6 +17,7 @@ from podium.core.protocol import (
     pad_dataproto_to_divisor,
     unpad_dataproto,
 )
+from podium.errors import DataProtoError
 
 
 def make(n: int = 6, meta: dict | None = None, **kwargs) -> DataProto:
@@ -73,11 +74,12 @@ def test_list_of_lists_stays_one_object_per_row():
     assert data.batch is None and len(data) == 3
 
 
-def test_from_dict_num_batch_dims():
-    data = DataProto.from_dict({"x": torch.zeros(4, 3, 2)}, num_batch_dims=2)
-    assert data.batch is not None and data.batch.batch_size == torch.Size([4, 3])
-    assert len(data) == 4
-    assert [len(c) for c in data.chunk(2)] == [2, 2]
+def test_from_dict_refuses_more_than_one_batch_dim():
+    # As verl: a DataProto has one batch dim (fold_batch_dim groups rows instead).
+    with pytest.raises(DataProtoError, match="exactly one batch dimension"):
+        DataProto.from_dict({"x": torch.zeros(4, 3, 2)}, num_batch_dims=2)
+    with pytest.raises(DataProtoError, match="exactly one batch dimension"):
+        DataProto(batch=TensorDict({"x": torch.zeros(4, 3)}, batch_size=[4, 3]))
 
 
 def test_from_dict_nested_tensors():
@@ -107,7 +109,7 @@ def test_non_tensors_disagreeing_with_each_other():
 
 
 def test_batch_needs_a_batch_dim():
-    with pytest.raises(ValueError, match="at least one batch dimension"):
+    with pytest.raises(ValueError, match="exactly one batch dimension"):
         DataProto(batch=TensorDict({"a": torch.zeros(3)}, batch_size=[]))
 
 
@@ -261,8 +263,9 @@ def test_select():
     assert data.meta_info["b"] == [1] and int(data.batch["obs"][0, 0]) == 0  # type: ignore[index]
     with pytest.raises(KeyError, match="batch has no key.*'nope'"):
         data.select(batch_keys=["nope"])
-    with pytest.raises(KeyError, match="meta_info has no key"):
-        data.select(meta_info_keys=["zz"])
+    # As verl: non-tensor and meta keys that are not there are skipped.
+    assert data.select(meta_info_keys=["zz", "a"]).meta_info == {"a": 1}
+    assert data.select(non_tensor_batch_keys=["zz"]).non_tensor_batch == {}
 
 
 def test_pop_is_in_place():
@@ -282,16 +285,18 @@ def test_pop_checks_all_keys_before_removing():
     assert data.batch is not None and set(data.batch.keys()) == {"obs", "rew"}
 
 
-def test_rename():
+def test_rename_is_in_place_and_returns_self():
     data = make(3)
     out = data.rename(["obs", "uid"], ["observation", "id"])
+    assert out is data  # as in verl
     assert out.batch is not None and set(out.batch.keys()) == {"observation", "rew"}
     assert set(out.non_tensor_batch) == {"id"}
-    assert data.batch is not None and set(data.batch.keys()) == {"obs", "rew"}  # input untouched
-    assert set(data.non_tensor_batch) == {"uid"}
-    assert set(data.rename("rew", "r").batch.keys()) == {"obs", "r"}  # type: ignore[union-attr]
-    with pytest.raises(ValueError, match="'rew' already exists"):
-        data.rename("obs", "rew")
+    assert set(data.rename("rew", "r").batch.keys()) == {"observation", "r"}  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="'r' already exists"):
+        data.rename("observation", "r")
+    with pytest.raises(ValueError, match="already exists"):
+        data.rename(["id", "r"], ["x", "observation"])  # checked before anything changes
+    assert set(data.non_tensor_batch) == {"id"}
     with pytest.raises(KeyError, match="'zz'"):
         data.rename("zz", "yy")
     with pytest.raises(ValueError, match="2 old and 1 new"):
@@ -306,12 +311,11 @@ def test_union():
         {"m": 1, "n": 2},
     )
     u = a.union(b)
+    assert u is a  # in place, as in verl
     assert u.batch is not None and set(u.batch.keys()) == {"obs", "rew", "adv"}
     assert set(u.non_tensor_batch) == {"uid", "extra"}
     assert u.meta_info == {"m": 1, "n": 2}
-    # inputs untouched
-    assert set(a.batch.keys()) == {"obs", "rew"}  # type: ignore[union-attr]
-    assert set(a.non_tensor_batch) == {"uid"} and a.meta_info == {"m": 1}
+    assert set(b.batch.keys()) == {"obs", "adv"}  # type: ignore[union-attr]  # other untouched
 
 
 @pytest.mark.parametrize(
@@ -393,7 +397,11 @@ def test_concat_meta_info_rules():
     assert out.meta_info == {"t": 1, "extra": "x", "metrics": {"loss": [0.5, 0.7]}}
     assert a.meta_info["metrics"] == {"loss": 0.5}  # input untouched
     c = make(2, meta={"t": 2})
-    assert DataProto.concat([a, c]).meta_info["t"] == 1  # per-part values: the first wins
+    with pytest.raises(DataProtoError, match="Conflicting values for meta_info key 't'") as err:
+        DataProto.concat([a, c])
+    assert isinstance(err.value, AssertionError)  # as verl's assert
+    none = make(2, meta={"t": 1, "metrics": None})
+    assert DataProto.concat([a, none]).meta_info["metrics"] == {"loss": [0.5]}
 
 
 def test_concat_errors():
@@ -420,12 +428,12 @@ def test_repeat():
         data.repeat(0)
 
 
-def test_to_device_returns_new_object():
+def test_to_device_is_in_place_and_returns_self():
     data = make(2)
+    before = copy.copy(data)
     moved = data.to("cpu")
-    assert moved is not data and moved.batch is not data.batch
-    assert moved.meta_info is not data.meta_info
-    assert_same(moved, data)
+    assert moved is data  # as in verl: data.to(device) without assignment works
+    assert_same(moved, before)
 
 
 def test_copy_and_deepcopy_are_independent():

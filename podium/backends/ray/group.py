@@ -348,7 +348,9 @@ def _stop(
                 ray.kill(actor, no_restart=True)
             except Exception:  # already gone
                 pass
-    if release is not None:
+    # Only while Ray is up: the user may have shut their Ray down before the group was
+    # dropped (verl's tests do), and Ray's placement-group calls would start a new one.
+    if release is not None and ray.is_initialized():
         try:
             release()
         except Exception:  # Ray is gone: its placement groups went with it

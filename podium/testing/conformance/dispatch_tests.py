@@ -67,6 +67,7 @@ class DispatchTests(BackendFixtures):
         assert isinstance(out, DataProto) and len(out) == 8
         assert out.batch["x"].tolist() == [float(i + i // 2) for i in range(8)]
         assert out.batch["rank"].tolist() == [i // 2 for i in range(8)]
+        assert out.meta_info["metrics"] == {"rank": list(range(WORLD)), "rows": [2] * WORLD}
 
     def test_dp_compute_proto_broadcasts_plain_args_and_splits_kwargs(self, wg: WorkerGroup) -> None:
         out = wg.add_rank(data=batch(4), bias=0.5)
@@ -80,6 +81,14 @@ class DispatchTests(BackendFixtures):
         assert torch.equal(data.batch["x"], before_x)
         assert data.meta_info == {"step": 1}
         assert list(data.non_tensor_batch["uid"]) == [f"u{i}" for i in range(6)]
+
+    def test_in_place_operations_in_a_worker_leave_the_callers_object(self, wg: WorkerGroup) -> None:
+        data = batch(8)
+        out = wg.change_in_place(data)
+        assert set(out.batch.keys()) == {"z", "w"}
+        assert out.batch["w"].tolist() == [float(i // 2) for i in range(8)]
+        assert data.batch is not None and set(data.batch.keys()) == {"x"}
+        assert data.batch["x"].tolist() == list(range(8))
 
     def test_plain_tensordict_in_tensordict_out(self, wg: WorkerGroup) -> None:
         td = TensorDict({"x": torch.zeros(8)}, batch_size=[8])

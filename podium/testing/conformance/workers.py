@@ -126,9 +126,17 @@ class ConformanceWorker(Worker):
         out = data.select(batch_keys=["x"], deepcopy=True)
         out.batch["x"] += self.rank + bias
         out.batch["rank"] = torch.full((len(out),), self.rank)
-        out.meta_info = {"rank": self.rank, "rows": len(data)}
+        # Per-rank values go under "metrics": concat merges them into lists and
+        # refuses other meta_info keys whose values differ between ranks.
+        out.meta_info = {"metrics": {"rank": self.rank, "rows": len(data)}}
         data.meta_info["touched_by"] = self.rank  # must never reach the caller's object
         return out
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def change_in_place(self, data: DataProto) -> DataProto:
+        """verl's in-place operations on the received shard; the caller's object must not change."""
+        extra = DataProto.from_dict({"w": torch.full((len(data),), float(self.rank))})
+        return data.to("cpu").rename("x", "z").union(extra)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def add_rank_td(self, td: Any) -> Any:
