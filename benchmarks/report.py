@@ -74,6 +74,11 @@ def _fallback(metric: str, summary: Summary) -> str:
     return f"{base}@{sizes[-1]}" if sizes else metric
 
 
+def _ratio(t: Target, by_impl: dict[str, dict[str, float]], stat: str) -> float:
+    den = by_impl[t.versus][stat] * t.scale if t.versus else 1.0
+    return by_impl[t.impl][stat] / den
+
+
 def check_targets(summary: Summary) -> list[dict[str, Any]]:
     out = []
     for t in TARGETS:
@@ -84,11 +89,18 @@ def check_targets(summary: Summary) -> list[dict[str, Any]]:
         if t.impl not in by_impl or (t.versus and t.versus not in by_impl):
             row["status"] = "not measured"
         else:
-            num = by_impl[t.impl]["median"]
-            den = by_impl[t.versus]["median"] * t.scale if t.versus else 1.0
-            ratio = num / den
+            # The median over the repeats decides; the ratio of the best repeats (the
+            # fastest of each) is shown beside it, since load on a shared machine only
+            # ever slows a turn down.
+            best = "min" if t.op == "<=" else "max"
+            ratio = _ratio(t, by_impl, "median")
             met = ratio <= t.bound if t.op == "<=" else ratio >= t.bound
-            row.update(ratio=ratio, met=met, status="met" if met else "MISSED")
+            row.update(
+                ratio=ratio,
+                ratio_best=_ratio(t, by_impl, best),
+                met=met,
+                status="met" if met else "MISSED",
+            )
         out.append(row)
     return out
 
@@ -147,13 +159,14 @@ def markdown(result: dict[str, Any]) -> str:
         f"median (min-max); {result['machine']['cpus']} CPUs, load average "
         f"{result['load'][0]:.1f}-{result['load'][1]:.1f} during the run.",
         "",
-        "| target | ratio | |",
-        "|---|---|---|",
+        "| target | ratio of medians | of best repeats | |",
+        "|---|---|---|---|",
     ]
     for t in targets:
         ratio = "-" if t["ratio"] is None else f"{t['ratio']:.3g}"
+        best = "-" if t.get("ratio_best") is None else f"{t['ratio_best']:.3g}"
         where = f" (at {t['metric']})" if t["substituted"] else ""
-        lines.append(f"| {t['target']}{where} | {ratio} | {t['status']} |")
+        lines.append(f"| {t['target']}{where} | {ratio} | {best} | {t['status']} |")
     lines += ["", tables(result["summary"])]
     if result["notes"]:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in result["notes"]]
