@@ -182,7 +182,7 @@ def plots(summary: Summary, out: Path) -> list[Path]:
     written = []
     series = [
         ("latency_ms", "workers", "ms per no-op call", "latency.png", True),
-        ("data_gib_s", "batch MiB (4 workers)", "GiB/s round trip", "data.png", False),
+        ("data_gib_s", "batch MiB (4 workers)", "GiB/s round trip", "data.png", True),
     ]
     for base, xlabel, ylabel, name, logy in series:
         metrics = [m for m in summary if _split(m)[0] == base]
