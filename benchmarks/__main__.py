@@ -92,6 +92,7 @@ def result_of(run: harness.Run, started: datetime.datetime, command: str) -> dic
         "date": started.strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
         "repeats": run.completed,
+        "repeats_requested": run.repeats,
         "sizes": dict(vars(run.sizes)),
         "machine": harness.machine(),
         "load": [min(run.load, default=0.0), max(run.load, default=0.0)],

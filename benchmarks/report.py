@@ -155,7 +155,8 @@ def tables(summary: Summary) -> str:
 def markdown(result: dict[str, Any]) -> str:
     targets = result["targets"]
     lines = [
-        f"Run {result['date']} with `{result['command']}`: {result['repeats']} repeat(s), "
+        f"Run {result['date']} with `{result['command']}`: {result['repeats']} of "
+        f"{result.get('repeats_requested', result['repeats'])} repeat(s) done, "
         f"median (min-max); {result['machine']['cpus']} CPUs, load average "
         f"{result['load'][0]:.1f}-{result['load'][1]:.1f} during the run.",
         "",
