@@ -20,9 +20,10 @@ size from it, C reduces it to one number per row. Measured:
   (target < 100 us on torchrun).
 
 ``measure(backend, mib=..., rounds=..., calls=...)`` returns the numbers as a
-dict, for a harness; run as a script it prints them::
+dict, for a harness; ``python -m benchmarks`` reports the chain throughput both ways (its ``chain`` measure);
+run as a module this prints all of them::
 
-    .venv/bin/python benchmarks/bench_dataplane.py [--backend torchrun] [--mib 256]
+    .venv/bin/python -m benchmarks.dataplane [--backend torchrun] [--mib 256]
 
 ``--shard-network`` (torchrun) sends every ``BatchRef`` read through the
 producers' shard servers (TCP and CURVE, as between hosts) instead of shared
@@ -57,7 +58,7 @@ from podium import (
 from podium.core.backend import Backend
 
 COLS = 16384  # float32: 64 KiB per row
-__all__ = ["measure"]
+__all__ = ["measure", "serialized_bytes"]
 
 
 class ChainWorker(Worker):
@@ -102,8 +103,9 @@ class ChainWorker(Worker):
 
 
 @contextmanager
-def _serialized_bytes() -> Iterator[list[int]]:
-    """Count the bytes podium's serializer writes and reads in this process (the controller)."""
+def serialized_bytes(*, writes_only: bool = False) -> Iterator[list[int]]:
+    """Count the bytes podium's serializer writes (and, unless ``writes_only``, reads) in this
+    process (the controller)."""
     from podium.core import serialization
 
     total = [0]
@@ -128,7 +130,8 @@ def _serialized_bytes() -> Iterator[list[int]]:
 
         return counting_dumps
 
-    for name in ("dumps", "dumps_in_process", "loads"):
+    names = ("dumps", "dumps_in_process") if writes_only else ("dumps", "dumps_in_process", "loads")
+    for name in names:
         original = getattr(serialization, name)
         counting = wrap(name, original)
         for mod in list(sys.modules.values()):
@@ -225,7 +228,7 @@ def measure(
         # Bytes through the controller for one call with a BatchRef in and out, and per consumer rank.
         ref_a = a.produce_ref(seed)
         b.stats(reset=True)
-        with _serialized_bytes() as counted:
+        with serialized_bytes() as counted:
             ref_b = b.transform_ref(ref_a)
         per_rank = [s["fetched_bytes"] for s in b.stats()]
         out["controller_bytes_per_call"] = float(counted[0])

@@ -1,0 +1,80 @@
+"""Helpers every implementation's child process shares; imports nothing of podium or verl.
+
+A child measures one implementation once (one repeat) and returns flat metrics, named
+``measure`` or ``measure@x`` (``latency_ms@4``: the no-op call latency at 4 workers).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+MIB = 1 << 20
+ROW_BYTES = 64 * 1024  # float32 rows of 16384 columns: a batch of M MiB has 16 * M rows
+COLS = ROW_BYTES // 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sizes:
+    """What one repeat measures; ``quick()`` is the smoke run's tiny version."""
+
+    latency_workers: tuple[int, ...] = (1, 2, 4, 8)
+    latency_calls: int = 200
+    data_workers: int = 4
+    data_mib: tuple[int, ...] = (1, 16, 64, 256)
+    ndmesh_mib: int = 16
+    chain_mib: int = 64
+    chain_rounds: int = 3
+    fsdp_world_size: int = 2
+    fsdp_steps: int = 6
+    fsdp_warmup: int = 2
+    fsdp_model: tuple[str, ...] = ("--layers", "4", "--model-dim", "192", "--heads", "6")
+    measures: tuple[str, ...] = field(default=())
+
+    @staticmethod
+    def quick(measures: tuple[str, ...] = ()) -> Sizes:
+        return Sizes(
+            latency_workers=(2,),
+            data_workers=2,
+            latency_calls=20,
+            data_mib=(1,),
+            ndmesh_mib=1,
+            chain_mib=1,
+            chain_rounds=1,
+            fsdp_steps=2,
+            fsdp_warmup=1,
+            fsdp_model=("--layers", "1", "--model-dim", "32", "--heads", "2"),
+            measures=measures,
+        )
+
+    def trips(self, mib: int) -> int:
+        """Round trips timed for a batch of ``mib`` MiB: more for small batches, at least 3."""
+        return max(3, min(20, 256 // max(mib, 1)))
+
+    def wants(self, measure: str) -> bool:
+        return not self.measures or measure in self.measures
+
+
+def progress(what: str) -> None:
+    """One line on stderr per phase, so a slow or stuck turn shows where it is."""
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
+
+
+def timed(fn: Callable[[], Any], n: int, warmup: int = 1) -> float:
+    """The median wall time of ``n`` calls of ``fn`` after ``warmup`` untimed ones, in seconds."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+def gib_s(mib: int, seconds: float) -> float:
+    return mib / 1024 / seconds

@@ -1,0 +1,72 @@
+"""The benchmark report without running anything: targets as ratios, the tables, the plan."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from benchmarks import harness, report
+
+
+def _stat(*values: float) -> dict[str, float]:
+    return {
+        "median": sorted(values)[len(values) // 2],
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+SUMMARY = {
+    "latency_ms@4": {"podium-torchrun": _stat(0.3, 0.4, 0.9), "zmq-curve": _stat(0.25, 0.2, 0.3)},
+    "data_gib_s@1": {"podium-ray": _stat(1.0, 2.0), "raw-ray": _stat(2.0, 2.0)},
+}
+
+
+def _target(rows: list[dict], label: str) -> dict:
+    return next(r for r in rows if r["target"] == label)
+
+
+def test_targets_are_ratios_of_medians_with_the_best_repeats_beside() -> None:
+    rows = report.check_targets(SUMMARY)
+    lat = _target(rows, "latency_ms@4: podium-torchrun / zmq-curve <= 1.5")
+    assert lat["ratio"] == pytest.approx(0.4 / 0.25)
+    assert lat["status"] == "MISSED"
+    assert lat["ratio_best"] == pytest.approx(0.3 / 0.2)  # lower is better: min / min
+    # A run without 64 MiB checks the largest size it measured, and says so.
+    data = _target(rows, "data_gib_s@64: podium-ray / raw-ray >= 0.9")
+    assert data["metric"] == "data_gib_s@1" and data["substituted"]
+    assert data["ratio_best"] == pytest.approx(1.0)  # higher is better: max / max
+    assert _target(rows, "start_s: podium-ray / verl <= 1")["status"] == "not measured"
+
+
+def test_markdown_has_the_targets_and_a_table_per_measure() -> None:
+    result = {
+        "date": "today",
+        "command": "python -m benchmarks",
+        "repeats": 3,
+        "machine": {"cpus": 2},
+        "load": [1.0, 2.0],
+        "summary": SUMMARY,
+        "targets": report.check_targets(SUMMARY),
+        "notes": ["a note"],
+    }
+    text = report.markdown(result)
+    assert "3 of 3 repeat(s)" in text
+    assert "| podium-torchrun | 0.4 (0.3-0.9) |" in text
+    assert "- a note" in text
+
+
+def test_plan_skips_verl_without_its_interpreter_and_rejects_unknown_names(tmp_path) -> None:
+    _, turns, notes = harness.plan([], False, tmp_path / "missing" / "python")
+    assert "verl" not in [t.name for t in turns]
+    assert any("make-verl-venv.sh" in n for n in notes)
+    with pytest.raises(SystemExit, match="unknown"):
+        harness.plan(["no-such-thing"], False, None)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
+def test_plots_are_written(tmp_path) -> None:
+    written = report.plots(SUMMARY, tmp_path)
+    assert {p.name for p in written} == {"latency.png", "data.png"}
