@@ -71,6 +71,8 @@ CONNECT_TIMEOUT = 5.0
 _HEARTBEAT_IVL_MS = 1000
 _HEARTBEAT_TIMEOUT_MS = 4000
 _TICK_MS = 100
+# A kept connection to a producer that ended retries its connect, backing off to this interval.
+_RECONNECT_IVL_MAX_MS = 2000
 
 # -- wire -------------------------------------------------------------------------
 
@@ -297,14 +299,26 @@ class _Connection:
         sock.curve_serverkey = server_key
         sock.curve_publickey = public
         sock.curve_secretkey = secret
-        self.monitor = sock.get_monitor_socket(
+        sock.reconnect_ivl_max = _RECONNECT_IVL_MAX_MS
+        # The monitor is read only while a read is in progress; between reads a
+        # gone producer's connect retries pile up. libzmq sends monitor events
+        # blocking, so a bounded queue that fills stalls the context's I/O thread
+        # (and disable_monitor behind it): the queue is unbounded (a receiving
+        # high-water mark of 0), and the back-off keeps it small.
+        monitor_addr = f"inproc://podium-reader-monitor-{id(self)}-{next(_ids)}"
+        sock.monitor(
+            monitor_addr,
             zmq.EVENT_HANDSHAKE_SUCCEEDED
             | zmq.EVENT_HANDSHAKE_FAILED_AUTH
             | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             | zmq.EVENT_CONNECT_RETRIED
-            | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_DISCONNECTED,
         )
+        self.monitor = ctx.socket(zmq.PAIR)
+        self.monitor.rcvhwm = 0
+        self.monitor.linger = 0
+        self.monitor.connect(monitor_addr)
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
