@@ -14,27 +14,39 @@ the shard costs its memory once). How a reader gets the rows it needs:
   at the producer. The ``shard_network`` backend option makes readers take
   this path on the producer's host too (tests, benchmarks).
 
-The controller never touches the bytes, except in ``materialize()``. The
-segment is removed when the controller releases the shard, when the worker
-stops, and -- by the rank's supervisor, within milliseconds -- when the worker
-dies; a reader that finds it gone, or a shard server that refuses connections
-or drops them, raises :class:`podium.errors.DataLostError`.
+The controller never touches the bytes, except in ``materialize()``. When the
+controller releases a shard its segment is renamed at once (a reader that
+comes later finds it gone) and kept for a later export of this rank: a fresh
+segment costs its page allocation and faults again (~6x a copy into a warm
+one), so a chain that exports every step reuses the same pages. A segment is
+reused only when nobody can see it any more: this process holds no tensor on
+it (a weak reference says so), and no reader on this host maps it -- a reader
+holds a shared ``flock`` on the segment for as long as its mapping lives, and
+the producer takes the segment back only if an exclusive ``flock`` succeeds.
+Free segments beyond the rank's shared-memory budget, or idle too long, are
+removed. Segments are removed when the worker stops, and -- by the rank's
+supervisor, within milliseconds -- when the worker dies; a reader that finds
+one gone, or a shard server that refuses connections or drops them, raises
+:class:`podium.errors.DataLostError`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import mmap
 import os
 import socket
 import threading
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from tensordict import TensorDict, TensorDictBase
 
-from podium.backends.torchrun.shm import SHM_DIR, Segment
+from podium.backends.torchrun.shm import _MIN_SEGMENT, MAX_FREE_BYTES, MAX_IDLE_S, SHM_DIR, Segment
 from podium.core._batch_utils import Key
 from podium.core.dataplane import Exporter, Layout, ShardInfo, Transport, read_buffer
 from podium.core.protocol import DataProto
@@ -94,20 +106,31 @@ class ShmTransport(Transport):
                 objects,
                 meta_info,
             )
+        path = os.path.join(SHM_DIR, self.name)
+        gone = DataLostError(
+            info.shard_id, None, detail="its producer's shared memory is gone (released, or the worker ended)"
+        )
         try:
-            fd = os.open(os.path.join(SHM_DIR, self.name), os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            raise DataLostError(
-                info.shard_id,
-                None,
-                detail="its producer's shared memory is gone (the worker ended)",
-            ) from None
+            raise gone from None
         try:
+            # Shared lock for as long as the mapping lives: the producer reuses
+            # the segment only once it can lock it exclusively (see ShmExporter).
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # released (renamed for reuse) between our open and our lock
+                raise gone
             mapping = mmap.mmap(
                 fd, self.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
             )
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        weakref.finalize(mapping, os.close, fd)  # the tensors on it are gone: unlock
         buf = np.frombuffer(mapping, dtype=np.uint8)
         return read_buffer(info.layout, buf, rows, keys, objects, meta_info, writable=True)
 
@@ -118,22 +141,49 @@ class ShmTransport(Transport):
 ServerFactory = Callable[[Callable[[str], "tuple[np.ndarray, Layout] | None"]], Any]
 
 
+class _Export:
+    """One exported shard's segment, and the view this process built its own tensors on."""
+
+    def __init__(self, seg: Segment, buf: np.ndarray) -> None:
+        self.seg = seg
+        # Every view (and tensor) of this process on the segment holds ``buf``
+        # (numpy's views point at it): dead once none is left.
+        self.local = weakref.ref(buf)
+        self.freed_at = 0.0
+
+
 class ShmExporter(Exporter):
     """Writes each exported shard into a segment named ``{prefix}x{n}`` (the rank's prefix).
 
-    With a ``server`` factory, the first export starts this worker's shard
-    server (see :mod:`.shardserver`), which serves the segments exported here
-    until they are freed.
+    Freed segments are kept for later exports (see the module docstring) up to
+    ``max_free`` bytes (the one freed last whatever its size) and ``max_idle``
+    seconds. With a ``server`` factory, the first export starts this worker's
+    shard server (see :mod:`.shardserver`), which serves the segments exported
+    here until they are freed.
     """
 
-    def __init__(self, prefix: str, server: ServerFactory | None = None) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        server: ServerFactory | None = None,
+        *,
+        max_free: int = MAX_FREE_BYTES,
+        max_idle: float = MAX_IDLE_S,
+    ) -> None:
         self.prefix = prefix
         self.host = socket.gethostname()
+        self.max_free = max_free
+        self.max_idle = max_idle
         self._count = itertools.count()
         self._server_factory = server
         self._server: Any = None
         self._lock = threading.Lock()
         self._served: dict[str, tuple[np.ndarray, Layout]] = {}
+        self._free: list[_Export] = []  # oldest first
+        self.reused = 0  # exports written into a kept segment (tests, benchmarks)
+
+    def _name(self) -> str:
+        return f"{self.prefix}x{next(self._count)}"
 
     def export(
         self,
@@ -143,8 +193,11 @@ class ShmExporter(Exporter):
         write: Callable[[np.ndarray], None],
     ) -> tuple[Transport, Any, DataProto | TensorDictBase]:
         size = max(layout.nbytes, mmap.PAGESIZE)
-        seg = Segment(f"{self.prefix}x{next(self._count)}", size)
-        buf = np.frombuffer(seg.map, dtype=np.uint8)
+        seg = self._reuse(size)
+        if seg is None:
+            size += -size % mmap.PAGESIZE
+            seg = Segment(self._name(), size)
+        buf = np.frombuffer(seg.map, dtype=np.uint8)  # this export's own (see _Export)
         write(buf)
         # Keep views of the segment, not the output: the shard's memory counts once.
         meta = dict(data.meta_info) if isinstance(data, DataProto) else {}
@@ -154,13 +207,14 @@ class ShmExporter(Exporter):
         )
         if isinstance(local, DataProto) and isinstance(data, DataProto):
             local.auto_padding = data.auto_padding
+        handle = _Export(seg, buf)
         endpoint, server_key = "", b""
         server = self._serve()
         if server is not None:
             with self._lock:
                 self._served[seg.name] = (buf, layout)
             endpoint, server_key = server.endpoint, server.public_key
-        return ShmTransport(seg.name, self.host, size, endpoint, server_key), seg, local
+        return ShmTransport(seg.name, self.host, seg.size, endpoint, server_key), handle, local
 
     def _serve(self) -> Any:
         if self._server is None and self._server_factory is not None:
@@ -171,14 +225,85 @@ class ShmExporter(Exporter):
         with self._lock:
             return self._served.get(name)
 
-    def free(self, handle: Any) -> None:
+    def _reuse(self, nbytes: int) -> Segment | None:
+        """A kept segment of ``nbytes`` to ~2x that nobody sees any more, or None."""
         with self._lock:
-            self._served.pop(handle.name, None)
-        handle.close()
+            fits = sorted(
+                (e for e in self._free if nbytes <= e.seg.size <= max(2 * nbytes, nbytes + _MIN_SEGMENT)),
+                key=lambda e: e.seg.size,
+            )
+            for entry in fits:
+                if entry.local() is None and _unseen(entry.seg):
+                    self._free.remove(entry)
+                    self.reused += 1
+                    return entry.seg
+        return None
+
+    def free(self, handle: Any) -> None:
+        seg = handle.seg
+        with self._lock:
+            self._served.pop(seg.name, None)
+        # A new name at once: a reader with a released BatchRef finds nothing
+        # (DataLostError), and the next export names the segment afresh.
+        new = self._name()
+        try:
+            os.rename(os.path.join(SHM_DIR, seg.name), os.path.join(SHM_DIR, new))
+        except OSError:
+            seg.close()  # removed under us (the supervisor, at shutdown): nothing to keep
+            return
+        seg.name = new
+        handle.freed_at = time.monotonic()
+        with self._lock:
+            self._free.append(handle)
+            gone = self._trim_locked(handle.freed_at)
+        for entry in gone:
+            entry.seg.close()
+
+    def trim(self) -> None:
+        """Remove kept segments idle for ``max_idle`` s, and the oldest beyond ``max_free`` bytes."""
+        with self._lock:
+            gone = self._trim_locked(time.monotonic())
+        for entry in gone:
+            entry.seg.close()
+
+    def _trim_locked(self, now: float) -> list[_Export]:
+        kept = sum(e.seg.size for e in self._free)
+        gone = []
+        for i, entry in enumerate(self._free):
+            newest = i == len(self._free) - 1
+            if now - entry.freed_at >= self.max_idle or (kept > self.max_free and not newest):
+                gone.append(entry)
+                kept -= entry.seg.size
+        for entry in gone:
+            self._free.remove(entry)
+        return gone
+
+    @property
+    def kept_bytes(self) -> int:
+        with self._lock:
+            return sum(e.seg.size for e in self._free)
 
     def close(self) -> None:
-        """Stop the shard server (the worker is ending)."""
+        """Stop the shard server and remove the kept segments (the worker is ending)."""
         with self._lock:
             self._served.clear()
+            gone, self._free = self._free, []
+        for entry in gone:
+            entry.seg.close()
         if self._server is not None:
             self._server.close()
+
+
+def _unseen(seg: Segment) -> bool:
+    """Whether no reader on this host maps ``seg`` (none holds its shared lock)."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, seg.name), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # drops the lock: a reader can only come once the segment is exported again
+    return True

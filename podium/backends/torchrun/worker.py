@@ -304,7 +304,7 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
         if shm_ok
         else None
     )
-    exporter = _exporter(rank, keys, reader)
+    exporter = _exporter(rank, keys, reader, max_free=int(keep[0]), max_idle=float(keep[1]))
     hello = {"rank": rank, "pid": os.getpid(), "host": _socket.gethostname(), "shm": shm_ok}
     send_frames(sock, [wire.head(wire.HELLO, hello)])
     host: WorkerHost | None = None
@@ -362,6 +362,8 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
                 next_trim = time.monotonic() + 1.0
                 if pool is not None:
                     pool.trim()
+                if exporter is not None:
+                    exporter.trim()
                 segments.trim()
             if not msg:
                 continue
@@ -472,7 +474,9 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
             exporter.close()
 
 
-def _exporter(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, bytes]) -> Any:
+def _exporter(
+    rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, bytes], *, max_free: int, max_idle: float
+) -> Any:
     """Where this rank keeps ``output="ref"`` shards: segments of this rank (removed with it),
     served to other hosts by a shard server started with the first export; None without /dev/shm."""
     from podium.backends.torchrun import shardserver
@@ -498,7 +502,7 @@ def _exporter(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, bytes])
             lookup=lookup,
         )
 
-    exporter = ShmExporter(_shm_prefix(f"w{rank}"), serve)
+    exporter = ShmExporter(_shm_prefix(f"w{rank}"), serve, max_free=max_free, max_idle=max_idle)
     set_exporter(exporter)
     return exporter
 

@@ -1,0 +1,131 @@
+"""A rank's exported shards (``output="ref"``) reuse their shared memory, and only when nobody sees it.
+
+Real ``/dev/shm`` segments in one process: the producer's ``ShmExporter`` and
+readers through ``ShmTransport.read`` (each read opens the segment on its own
+descriptor, so its ``flock`` is independent of the producer's, as in another
+process).
+"""
+
+from __future__ import annotations
+
+import gc
+import glob
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from podium import DataProto
+from podium.backends.torchrun.dataplane import ShmExporter
+from podium.backends.torchrun.shm import unlink_prefix
+from podium.core.dataplane import ShardInfo, plan
+from podium.errors import DataLostError
+
+PREFIX = "podium-testexport-"
+ROWS, COLS = 64, 1024  # float32: 256 KiB
+
+
+@pytest.fixture
+def exporter():
+    exp = ShmExporter(PREFIX + "w0-")
+    yield exp
+    exp.close()
+    unlink_prefix(PREFIX)
+
+
+def export(exp: ShmExporter, value: float) -> tuple[ShardInfo, object, DataProto]:
+    data = DataProto.from_dict({"x": torch.full((ROWS, COLS), value)})
+    layout, write = plan(data)
+    transport, handle, local = exp.export("shard", data, layout, write)
+    return ShardInfo("shard", "store", layout, transport), handle, local  # type: ignore[return-value]
+
+
+def read(info: ShardInfo) -> DataProto:
+    out = info.transport.read(info, np.arange(ROWS), ["x"], [], {})
+    assert isinstance(out, DataProto)
+    return out
+
+
+def test_a_freed_segment_is_reused_under_a_new_name(exporter: ShmExporter) -> None:
+    info, handle, local = export(exporter, 1.0)
+    first = info.transport.name  # type: ignore[attr-defined]
+    assert torch.equal(read(info).batch["x"], torch.full((ROWS, COLS), 1.0))
+    del local
+    gc.collect()
+    exporter.free(handle)
+    assert not os.path.exists(f"/dev/shm/{first}")  # renamed at once
+    info2, handle2, local2 = export(exporter, 2.0)
+    assert exporter.reused == 1
+    assert info2.transport.name != first  # type: ignore[attr-defined]
+    assert torch.equal(read(info2).batch["x"], torch.full((ROWS, COLS), 2.0))
+    assert len(glob.glob(f"/dev/shm/{PREFIX}*")) == 1
+
+
+def test_a_read_of_a_freed_shard_is_data_lost_not_the_next_shard(exporter: ShmExporter) -> None:
+    info, handle, local = export(exporter, 1.0)
+    del local
+    gc.collect()
+    exporter.free(handle)
+    export(exporter, 2.0)
+    assert exporter.reused == 1
+    with pytest.raises(DataLostError, match="gone"):
+        read(info)
+
+
+def test_a_segment_a_reader_still_maps_is_not_reused(exporter: ShmExporter) -> None:
+    info, handle, local = export(exporter, 1.0)
+    held = read(info)  # a consumer keeps its input
+    del local
+    gc.collect()
+    exporter.free(handle)
+    export(exporter, 2.0)
+    assert exporter.reused == 0  # a fresh segment instead
+    assert torch.equal(held.batch["x"], torch.full((ROWS, COLS), 1.0))
+    del held
+    gc.collect()  # the reader's mapping and its lock are gone
+    export(exporter, 3.0)
+    assert exporter.reused == 1
+
+
+def test_a_segment_the_producer_still_uses_is_not_reused(exporter: ShmExporter) -> None:
+    info, handle, local = export(exporter, 1.0)
+    kept = local.batch["x"][3:5]  # e.g. a colocated role kept part of the shard
+    exporter.free(handle)
+    export(exporter, 2.0)
+    assert exporter.reused == 0
+    assert torch.equal(kept, torch.full((2, COLS), 1.0))
+
+
+def test_a_reader_sees_its_own_writes_only(exporter: ShmExporter) -> None:
+    info, _, local = export(exporter, 1.0)
+    mine = read(info)
+    mine.batch["x"][0] = 7.0
+    assert torch.equal(read(info).batch["x"], torch.full((ROWS, COLS), 1.0))
+    assert torch.equal(local.batch["x"], torch.full((ROWS, COLS), 1.0))
+
+
+def test_kept_segments_beyond_the_budget_or_idle_are_removed() -> None:
+    exp = ShmExporter(PREFIX + "w1-", max_free=600 << 10, max_idle=0.2)
+    try:
+        shards = [export(exp, float(i)) for i in range(4)]  # 4 x 256 KiB
+        for _, handle, _ in shards:
+            exp.free(handle)
+        assert exp.kept_bytes <= 600 << 10
+        assert len(glob.glob(f"/dev/shm/{PREFIX}w1-*")) == 2
+        time.sleep(0.3)
+        exp.trim()
+        assert exp.kept_bytes == 0
+        assert glob.glob(f"/dev/shm/{PREFIX}w1-*") == []
+    finally:
+        exp.close()
+        unlink_prefix(PREFIX)
+
+
+def test_close_removes_the_kept_segments(exporter: ShmExporter) -> None:
+    _, handle, _ = export(exporter, 1.0)
+    exporter.free(handle)
+    assert glob.glob(f"/dev/shm/{PREFIX}*")
+    exporter.close()
+    assert glob.glob(f"/dev/shm/{PREFIX}*") == []
