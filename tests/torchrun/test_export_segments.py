@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from podium import DataProto
-from podium.backends.torchrun.dataplane import ShmExporter
+from podium.backends.torchrun.dataplane import SMALL_SHARD, ShmExporter
 from podium.backends.torchrun.shm import unlink_prefix
 from podium.core.dataplane import ShardInfo, plan
 from podium.errors import DataLostError
 
 PREFIX = "podium-testexport-"
-ROWS, COLS = 64, 1024  # float32: 256 KiB
+ROWS, COLS = 64, 2048  # float32: 512 KiB, read through a mapping (see SMALL_SHARD)
 
 
 @pytest.fixture
@@ -35,15 +35,18 @@ def exporter():
     unlink_prefix(PREFIX)
 
 
-def export(exp: ShmExporter, value: float) -> tuple[ShardInfo, object, DataProto]:
-    data = DataProto.from_dict({"x": torch.full((ROWS, COLS), value)})
+def export(
+    exp: ShmExporter, value: float, cols: int = COLS
+) -> tuple[ShardInfo, object, DataProto]:
+    data = DataProto.from_dict({"x": torch.full((ROWS, cols), value)})
     layout, write = plan(data)
     transport, handle, local = exp.export("shard", data, layout, write)
     return ShardInfo("shard", "store", layout, transport), handle, local  # type: ignore[return-value]
 
 
-def read(info: ShardInfo) -> DataProto:
-    out = info.transport.read(info, np.arange(ROWS), ["x"], [], {})
+def read(info: ShardInfo, rows: np.ndarray | None = None) -> DataProto:
+    rows = np.arange(ROWS) if rows is None else rows
+    out = info.transport.read(info, rows, ["x"], [], {})
     assert isinstance(out, DataProto)
     return out
 
@@ -106,10 +109,26 @@ def test_a_reader_sees_its_own_writes_only(exporter: ShmExporter) -> None:
     assert torch.equal(local.batch["x"], torch.full((ROWS, COLS), 1.0))
 
 
+def test_a_small_shard_is_read_by_copy_and_its_segment_reused_at_once(
+    exporter: ShmExporter,
+) -> None:
+    assert ROWS * 16 * 4 <= SMALL_SHARD
+    info, handle, local = export(exporter, 1.0, cols=16)
+    held = read(info, np.array([5, 1]))  # kept by the consumer: a copy, no lock held
+    assert torch.equal(held.batch["x"], torch.full((2, 16), 1.0))
+    del local
+    gc.collect()
+    exporter.free(handle)
+    export(exporter, 2.0, cols=16)
+    assert exporter.reused == 1
+    assert torch.equal(held.batch["x"], torch.full((2, 16), 1.0))
+    held.batch["x"][0] = 5.0  # writable, and its own
+
+
 def test_kept_segments_beyond_the_budget_or_idle_are_removed() -> None:
     exp = ShmExporter(PREFIX + "w1-", max_free=600 << 10, max_idle=0.2)
     try:
-        shards = [export(exp, float(i)) for i in range(4)]  # 4 x 256 KiB
+        shards = [export(exp, float(i), cols=1024) for i in range(4)]  # 4 x 256 KiB
         for _, handle, _ in shards:
             exp.free(handle)
         assert exp.kept_bytes <= 600 << 10

@@ -57,6 +57,8 @@ __all__ = ["NETWORK_ENV", "ShmExporter", "ShmTransport"]
 # Set to "1" in a process whose reads must go through the producers' shard servers
 # even on the producer's host (the ``shard_network`` backend option sets it in workers).
 NETWORK_ENV = "PODIUM_TR_SHARD_NETWORK"
+# A shard this small is read by copying it whole (one pread) rather than mapped.
+SMALL_SHARD = 256 << 10
 
 
 class ShmTransport(Transport):
@@ -107,13 +109,15 @@ class ShmTransport(Transport):
                 meta_info,
             )
         path = os.path.join(SHM_DIR, self.name)
-        gone = DataLostError(
-            info.shard_id, None, detail="its producer's shared memory is gone (released, or the worker ended)"
-        )
+
+        def gone() -> DataLostError:
+            detail = "its producer's shared memory is gone (released, or the worker ended)"
+            return DataLostError(info.shard_id, None, detail=detail)
+
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            raise gone from None
+            raise gone() from None
         try:
             # Shared lock for as long as the mapping lives: the producer reuses
             # the segment only once it can lock it exclusively (see ShmExporter).
@@ -123,15 +127,27 @@ class ShmTransport(Transport):
             except FileNotFoundError:
                 same = False
             if not same:  # released (renamed for reuse) between our open and our lock
-                raise gone
-            mapping = mmap.mmap(
-                fd, self.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-            )
+                raise gone()
+            copy, mapping = None, None
+            if info.layout.nbytes <= SMALL_SHARD:
+                # A copy under the lock: cheaper than a mapping, and nothing to unlock later.
+                copy = bytearray(info.layout.nbytes)
+                complete = os.preadv(fd, [copy], 0) == len(copy)
+            else:
+                mapping = mmap.mmap(
+                    fd, self.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                )
         except BaseException:
             os.close(fd)
             raise
-        weakref.finalize(mapping, os.close, fd)  # the tensors on it are gone: unlock
-        buf = np.frombuffer(mapping, dtype=np.uint8)
+        if mapping is None:
+            os.close(fd)
+            if not complete:
+                raise gone()
+            buf = np.frombuffer(copy, dtype=np.uint8)  # type: ignore[arg-type]
+        else:
+            weakref.finalize(mapping, os.close, fd)  # the tensors on it are gone: unlock
+            buf = np.frombuffer(mapping, dtype=np.uint8)
         return read_buffer(info.layout, buf, rows, keys, objects, meta_info, writable=True)
 
     def drop(self) -> None:

@@ -309,7 +309,6 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
     send_frames(sock, [wire.head(wire.HELLO, hello)])
     host: WorkerHost | None = None
     control = _control
-    rcvmore = int(zmq.RCVMORE)  # sock.get(rcvmore) is ~3x cheaper than sock.rcvmore
 
     def reply(kind: bytes, key: Any, outcome: Outcome, target: str) -> None:
         try:
@@ -354,9 +353,10 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
                 sock.setsockopt(zmq.RCVTIMEO, wait_ms)
             # The head as bytes (a no-op call is this one frame), the rest without a copy.
             try:
-                msg: list[Any] = [sock.recv()]
+                first = sock.recv(copy=False)
+                msg: list[Any] = [first.bytes]
             except zmq.Again:
-                msg = []
+                first, msg = None, []
             if (not msg and not async_running) or time.monotonic() >= next_trim:
                 # Once a second, busy or idle: drop shared memory nobody uses any more.
                 next_trim = time.monotonic() + 1.0
@@ -367,8 +367,9 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
                 segments.trim()
             if not msg:
                 continue
-            if sock.get(rcvmore):
+            if first.more:
                 msg += sock.recv_multipart(copy=False)
+            first = None
             kind, meta = wire.split_head(msg[0])
             if kind == wire.STOP:
                 break
