@@ -559,14 +559,6 @@ def transfer_stats(reset: bool = False) -> dict[str, int]:
     return out
 
 
-def _nbytes(part: DataProto | TensorDict) -> int:
-    batch = part.batch if isinstance(part, DataProto) else part
-    total = 0
-    if batch is not None:
-        total += sum(t.numel() * t.element_size() for t in leaves(batch).values())
-    return total
-
-
 def read_rows(
     ref: Any, shard: int, rows: np.ndarray, keys: Sequence[Key], objects: Sequence[str]
 ) -> Any:
@@ -584,7 +576,8 @@ def read_rows(
         raise DataLostError(ref.ref_id, ref._shards[shard].rank, detail=lost_detail(exc)) from None
     with _stats_lock:
         _stats["fetches"] += 1
-        _stats["fetched_bytes"] += _nbytes(part)
+        # The tensor bytes of the rows read (from the layout: no walk over the result).
+        _stats["fetched_bytes"] += int(rows.size) * sum(info.layout.column(k).row_bytes for k in keys)
     return part
 
 
