@@ -47,7 +47,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
@@ -156,6 +156,52 @@ def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
         return
     for i, frame in enumerate(frames):
         sock.send(frame, _SNDMORE if i < last else 0, copy=not is_zero_copy(frame))
+
+
+def answer_zap(
+    zap: zmq.Socket[Any],
+    user_of: Callable[[bytes], bytes | None],
+    refused: Callable[[str, str], None],
+) -> None:
+    """Answer the ZAP request (RFC 27) pending on ``zap``, if any.
+
+    A CURVE client whose public key ``user_of`` maps to a User-Id is admitted
+    as that User-Id; any other is refused and told to ``refused(peer, mechanism)``.
+    """
+    try:
+        req = zap.recv_multipart(zmq.NOBLOCK)
+    except zmq.Again:
+        return
+    # version, request id, domain, address, identity (the server socket's own),
+    # mechanism, credentials... The REP socket must answer every request,
+    # whatever it holds, or it never reads another one.
+    reply = [b"1.0", req[1] if len(req) > 1 else b"", b"400", b"key refused", b"", b""]
+    try:
+        mechanism = req[5] if len(req) > 5 else b""
+        credentials = req[6:]
+        user = None
+        if mechanism == b"CURVE" and len(credentials) == 1:
+            user = user_of(credentials[0])
+        if user is not None:
+            reply[2:5] = [b"200", b"OK", user]
+        else:
+            refused(
+                bytes(req[3] if len(req) > 3 else b"?").decode(errors="replace"),
+                bytes(mechanism).decode(errors="replace"),
+            )
+    finally:
+        zap.send_multipart(reply)
+
+
+def failed_handshakes(monitor: zmq.Socket[Any]) -> Iterator[Any]:
+    """The events pending on a server socket's ``monitor`` (a handshake that fails before ZAP)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    while True:
+        try:
+            yield recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.ZMQError:  # zmq.Again: nothing more is pending
+            return
 
 
 class ControlChannel:
@@ -509,43 +555,19 @@ class ControlChannel:
         self._safely(self._on_message, identity, head, frames)
 
     def _answer_zap(self) -> None:
-        try:
-            req = self._zap.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        # RFC 27: version, request id, domain, address, identity (the server
-        # socket's own), mechanism, credentials... The REP socket must answer
-        # every request, whatever it holds, or it never reads another one.
-        reply = [b"1.0", req[1] if len(req) > 1 else b"", b"400", b"unknown key", b"", b""]
-        try:
-            mechanism = req[5] if len(req) > 5 else b""
-            credentials = req[6:]
-            rank = None
-            if mechanism == b"CURVE" and len(credentials) == 1:
-                rank = self._key_rank.get(credentials[0])
-            if rank is not None:
-                reply[2:5] = [b"200", b"OK", rank]  # User-Id: the rank this key belongs to
-            else:
-                self.rejected += 1
-                self._warn_refused(
-                    "podium torchrun: refused a connection from %s (mechanism %s, key not this "
-                    "group's); it cannot reach any worker",
-                    bytes(req[3] if len(req) > 3 else b"?").decode(errors="replace"),
-                    bytes(mechanism).decode(errors="replace"),
-                )
-        finally:
-            self._zap.send_multipart(reply)
+        answer_zap(self._zap, self._key_rank.get, self._refused)  # User-Id: the key's rank
+
+    def _refused(self, peer: str, mechanism: str) -> None:
+        self.rejected += 1
+        self._warn_refused(
+            "podium torchrun: refused a connection from %s (mechanism %s, key not this "
+            "group's); it cannot reach any worker",
+            peer,
+            mechanism,
+        )
 
     def _read_monitor(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        while True:
-            try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:
-                return
+        for event in failed_handshakes(self._monitor):
             # Failed handshakes (no CURVE, wrong server key, garbage bytes) never
             # reach ZAP; the monitor is where they show.
             if event["event"] in (

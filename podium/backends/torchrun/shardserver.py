@@ -54,7 +54,13 @@ import torch
 import zmq
 from zmq.utils import z85
 
-from podium.backends.torchrun.channel import _RateLimitedWarning, reader_keys, send_frames
+from podium.backends.torchrun.channel import (
+    _RateLimitedWarning,
+    answer_zap,
+    failed_handshakes,
+    reader_keys,
+    send_frames,
+)
 from podium.core._batch_utils import Key
 from podium.core.dataplane import Layout, _build, _rows_slice
 from podium.core.protocol import DataProto
@@ -165,36 +171,19 @@ class ShardServer:
             self._close_sockets()
 
     def _answer_zap(self) -> None:
-        try:
-            req = self._zap.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        # RFC 27; the REP socket must answer every request, whatever it holds.
-        reply = [b"1.0", req[1] if len(req) > 1 else b"", b"400", b"not a reader", b"", b""]
-        try:
-            mechanism = req[5] if len(req) > 5 else b""
-            credentials = req[6:]
-            if mechanism == b"CURVE" and credentials == [self._reader]:
-                reply[2:5] = [b"200", b"OK", b"reader"]
-            else:
-                self.rejected += 1
-                self._warn_refused(
-                    "podium torchrun: the shard server refused a connection from %s (mechanism %s, "
-                    "not this controller's reader key); it read nothing",
-                    bytes(req[3] if len(req) > 3 else b"?").decode(errors="replace"),
-                    bytes(mechanism).decode(errors="replace"),
-                )
-        finally:
-            self._zap.send_multipart(reply)
+        answer_zap(self._zap, lambda key: b"reader" if key == self._reader else None, self._refused)
+
+    def _refused(self, peer: str, mechanism: str) -> None:
+        self.rejected += 1
+        self._warn_refused(
+            "podium torchrun: the shard server refused a connection from %s (mechanism %s, "
+            "not this controller's reader key); it read nothing",
+            peer,
+            mechanism,
+        )
 
     def _read_monitor(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        while True:
-            try:
-                recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            except zmq.ZMQError:
-                return
+        for _ in failed_handshakes(self._monitor):
             # No CURVE, garbage bytes: the handshake failed before ZAP.
             self.rejected += 1
             self._warn_refused(
