@@ -34,16 +34,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from benchmarks._common import timed
 from podium import (
     BatchRef,
     ClassWithInitArgs,
@@ -178,17 +178,6 @@ def _peak_rss() -> Iterator[list[int]]:
         peak[0] = max(peak[0], _rss() - base)
 
 
-def _median(fn: Callable[[], Any], n: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
-
-
 def measure(
     backend: str | Backend = "torchrun", *, mib: int = 256, rounds: int = 3, calls: int = 300
 ) -> dict[str, float]:
@@ -250,8 +239,8 @@ def measure(
         gc.collect()
 
         # Throughput of the chain, each way.
-        t_ref = _median(chain_ref, rounds)
-        t_ctl = _median(chain_controller, rounds)
+        t_ref = timed(chain_ref, rounds)
+        t_ctl = timed(chain_controller, rounds)
         out["chain_gbps_batchref"] = payload / t_ref / 1e9
         out["chain_gbps_through_controller"] = payload / t_ctl / 1e9
         out["chain_speedup"] = t_ctl / t_ref
@@ -261,8 +250,8 @@ def measure(
         one_ref = a.produce_ref(DataProto.from_dict({"i": torch.arange(2)}))[:1]
         one_value = one_ref.materialize()
         assert isinstance(one_ref, BatchRef)
-        t_proto = min(_median(lambda: c.rows(one_value), calls, 20) for _ in range(3))
-        t_batchref = min(_median(lambda: c.rows(one_ref), calls, 20) for _ in range(3))
+        t_proto = min(timed(lambda: c.rows(one_value), calls, 20) for _ in range(3))
+        t_batchref = min(timed(lambda: c.rows(one_ref), calls, 20) for _ in range(3))
         out["latency_us_dataproto"] = t_proto * 1e6
         out["latency_us_batchref"] = t_batchref * 1e6
         out["latency_us_added"] = (t_batchref - t_proto) * 1e6
