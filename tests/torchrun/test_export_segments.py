@@ -126,17 +126,36 @@ def test_a_small_shard_is_read_by_copy_and_its_segment_reused_at_once(
 
 
 def test_kept_segments_beyond_the_budget_or_idle_are_removed() -> None:
-    exp = ShmExporter(PREFIX + "w1-", max_free=600 << 10, max_idle=0.2)
+    exp = ShmExporter(PREFIX + "w1-", max_free=300 << 10, max_idle=0.3)
     try:
-        shards = [export(exp, float(i), cols=1024) for i in range(4)]  # 4 x 256 KiB
-        for _, handle, _ in shards:
+        # One at a time, none fitting the last: the budget is the largest, the newest stays.
+        for cols in (1024, 3072, 7168):  # 256 KiB, 768 KiB, 1.75 MiB
+            _, handle, _ = export(exp, 1.0, cols=cols)
+            gc.collect()
             exp.free(handle)
-        assert exp.kept_bytes <= 600 << 10
-        assert len(glob.glob(f"/dev/shm/{PREFIX}w1-*")) == 2
-        time.sleep(0.3)
+        assert exp.kept_bytes == ROWS * 7168 * 4
+        assert len(glob.glob(f"/dev/shm/{PREFIX}w1-*")) == 1
+        time.sleep(0.4)
         exp.trim()
         assert exp.kept_bytes == 0
         assert glob.glob(f"/dev/shm/{PREFIX}w1-*") == []
+    finally:
+        exp.close()
+        unlink_prefix(PREFIX)
+
+
+def test_a_step_that_exports_more_than_max_free_at_once_reuses_all_of_it() -> None:
+    exp = ShmExporter(PREFIX + "w1-", max_free=300 << 10)
+    try:
+        for step in range(3):
+            shards = [export(exp, float(i), cols=1024) for i in range(4)]  # 1 MiB at once
+            handles = [handle for _, handle, _ in shards]
+            del shards
+            gc.collect()
+            for handle in handles:
+                exp.free(handle)
+            assert exp.reused == 4 * step
+        assert len(glob.glob(f"/dev/shm/{PREFIX}w1-*")) == 4
     finally:
         exp.close()
         unlink_prefix(PREFIX)

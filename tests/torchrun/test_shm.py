@@ -43,19 +43,45 @@ def test_segments_are_sized_to_whole_pages(pool: SegmentPool) -> None:
     assert os.path.getsize(f"/dev/shm/{seg.name}") == seg.size
 
 
-def test_free_segments_beyond_the_limit_are_removed_oldest_first() -> None:
-    pool = SegmentPool(PREFIX + "c-", max_free=3 << 20)
+def test_free_segments_beyond_the_budget_are_removed_oldest_first() -> None:
+    mib = 1 << 20
+    pool = SegmentPool(PREFIX + "c-", max_free=3 * mib)
     try:
-        segs = [pool.acquire(1 << 20) for _ in range(6)]
-        for seg in segs:
+        # One at a time, none fitting the last: at most 7 MiB in use at once, so
+        # the pool keeps max(3 MiB, 7 MiB) of free segments: the newest.
+        segs = []
+        for size in (1, 3, 7):
+            seg = pool.acquire(size * mib)
             pool.hold(seg)
-        pool.release([seg.name for seg in segs])
-        assert pool.free_bytes <= 3 << 20
-        assert sorted(files(PREFIX)) == sorted(f"/dev/shm/{s.name}" for s in segs[3:])
-        big = pool.acquire(8 << 20)  # larger than the limit: still kept for the next message
+            pool.release([seg.name])
+            segs.append(seg)
+        assert pool.free_bytes == 7 * mib
+        assert files(PREFIX) == [f"/dev/shm/{segs[-1].name}"]
+        big = pool.acquire(8 * mib)  # larger than the budget: still kept for the next message
         pool.hold(big)
         pool.release([big.name])
-        assert pool.acquire(8 << 20) is big and pool.segment_count == 1
+        assert pool.acquire(8 * mib) is big
+    finally:
+        pool.close()
+        unlink_prefix(PREFIX)
+
+
+def test_a_pool_keeps_what_it_had_in_use_at_its_recent_peak() -> None:
+    mib = 1 << 20
+    pool = SegmentPool(PREFIX + "c-", max_free=3 * mib, max_idle=0.5)
+    try:
+        # A step sends six 1 MiB shards at once (more than max_free): all six
+        # are kept, and the next step reuses them instead of making new ones.
+        for _ in range(3):
+            segs = [pool.acquire(mib) for _ in range(6)]
+            for seg in segs:
+                pool.hold(seg)
+            pool.release([seg.name for seg in segs])
+            assert pool.free_bytes == 6 * mib
+        assert pool.segment_count == 6
+        time.sleep(0.6)  # the workload stopped: the peak ages out with the segments
+        pool.trim()
+        assert pool.segment_count == 0
     finally:
         pool.close()
         unlink_prefix(PREFIX)

@@ -46,7 +46,14 @@ from typing import Any
 import numpy as np
 from tensordict import TensorDict, TensorDictBase
 
-from podium.backends.torchrun.shm import _MIN_SEGMENT, MAX_FREE_BYTES, MAX_IDLE_S, SHM_DIR, Segment
+from podium.backends.torchrun.shm import (
+    _MIN_SEGMENT,
+    MAX_FREE_BYTES,
+    MAX_IDLE_S,
+    SHM_DIR,
+    KeepBudget,
+    Segment,
+)
 from podium.core._batch_utils import Key
 from podium.core.dataplane import Exporter, Layout, ShardInfo, Transport, read_buffer
 from podium.core.protocol import DataProto
@@ -172,8 +179,9 @@ class ShmExporter(Exporter):
     """Writes each exported shard into a segment named ``{prefix}x{n}`` (the rank's prefix).
 
     Freed segments are kept for later exports (see the module docstring) up to
-    ``max_free`` bytes (the one freed last whatever its size) and ``max_idle``
-    seconds. With a ``server`` factory, the first export starts this worker's
+    a :class:`~podium.backends.torchrun.shm.KeepBudget` (``max_free``, or the
+    bytes exported at once at the recent peak; the one freed last whatever its
+    size) and for ``max_idle`` seconds. With a ``server`` factory, the first export starts this worker's
     shard server (see :mod:`.shardserver`), which serves the segments exported
     here until they are freed.
     """
@@ -196,6 +204,8 @@ class ShmExporter(Exporter):
         self._lock = threading.Lock()
         self._served: dict[str, tuple[np.ndarray, Layout]] = {}
         self._free: list[_Export] = []  # oldest first
+        self._budget = KeepBudget(max_free, max_idle)
+        self._exported = 0  # bytes of the segments of shards not freed yet
         self.reused = 0  # exports written into a kept segment (tests, benchmarks)
 
     def _name(self) -> str:
@@ -224,6 +234,9 @@ class ShmExporter(Exporter):
         if isinstance(local, DataProto) and isinstance(data, DataProto):
             local.auto_padding = data.auto_padding
         handle = _Export(seg, buf)
+        with self._lock:
+            self._exported += seg.size
+            self._budget.in_use(self._exported, time.monotonic())
         endpoint, server_key = "", b""
         server = self._serve()
         if server is not None:
@@ -259,6 +272,7 @@ class ShmExporter(Exporter):
         seg = handle.seg
         with self._lock:
             self._served.pop(seg.name, None)
+            self._exported -= seg.size
         # A new name at once: a reader with a released BatchRef finds nothing
         # (DataLostError), and the next export names the segment afresh.
         new = self._name()
@@ -284,10 +298,11 @@ class ShmExporter(Exporter):
 
     def _trim_locked(self, now: float) -> list[_Export]:
         kept = sum(e.seg.size for e in self._free)
+        limit = self._budget.limit(now)
         gone = []
         for i, entry in enumerate(self._free):
             newest = i == len(self._free) - 1
-            if now - entry.freed_at >= self.max_idle or (kept > self.max_free and not newest):
+            if now - entry.freed_at >= self.max_idle or (kept > limit and not newest):
                 gone.append(entry)
                 kept -= entry.seg.size
         for entry in gone:

@@ -149,6 +149,32 @@ class Segment:
             pass
 
 
+class KeepBudget:
+    """How many bytes of free segments a pool keeps for reuse.
+
+    ``max_free``, or -- if more -- the bytes the pool had handed out at once at
+    its peak within the last ``max_idle`` seconds: a workload that sends a
+    batch larger than ``max_free`` step after step (three 85 MiB shards of a
+    256 MiB batch) keeps reusing its segments instead of making one afresh
+    each step; once it stops, the peak ages out with the segments.
+    """
+
+    def __init__(self, max_free: int, max_idle: float) -> None:
+        self.max_free = max_free
+        self.max_idle = max_idle
+        self._peak = 0
+        self._peak_at = 0.0
+
+    def in_use(self, nbytes: int, now: float) -> None:
+        """The pool has ``nbytes`` handed out now."""
+        if nbytes >= self._peak or now - self._peak_at >= self.max_idle:
+            self._peak, self._peak_at = nbytes, now
+
+    def limit(self, now: float) -> int:
+        recent = self._peak if now - self._peak_at < self.max_idle else 0
+        return max(self.max_free, recent)
+
+
 class SegmentPool:
     """Segments this process writes into, reused once the reader released them.
 
@@ -159,9 +185,10 @@ class SegmentPool:
     Free segments are kept for reuse -- a new one costs its page faults once
     more -- but not for ever: :meth:`trim` (run on every release and by the
     owner's idle timer) removes those unused for ``max_idle`` seconds, and the
-    oldest ones while more than ``max_free`` bytes are free. The segment
-    released last is kept whatever its size, so a message larger than
-    ``max_free`` sent call after call still reuses its segment.
+    oldest ones while more than the :class:`KeepBudget` (``max_free``, or the
+    recent peak in use) are free. The segment released last is kept whatever
+    its size, so a message larger than that sent call after call still reuses
+    its segment.
     """
 
     def __init__(
@@ -175,6 +202,8 @@ class SegmentPool:
         self._by_name: dict[str, Segment] = {}
         self._count = 0
         self._closed = False
+        self._budget = KeepBudget(max_free, max_idle)
+        self._total = 0  # bytes of every segment, free or handed out
 
     def acquire(self, nbytes: int) -> Segment:
         with self._lock:
@@ -186,12 +215,15 @@ class SegmentPool:
                     best = seg
             if best is not None and best.size <= max(2 * nbytes, nbytes + _MIN_SEGMENT):
                 self._free.remove(best)
-                return best
-            size = max(nbytes, 1)
-            size += -size % _PAGE
-            seg = Segment(f"{self.prefix}{self._count}", size)
-            self._count += 1
-            self._by_name[seg.name] = seg
+                seg = best
+            else:
+                size = max(nbytes, 1)
+                size += -size % _PAGE
+                seg = Segment(f"{self.prefix}{self._count}", size)
+                self._count += 1
+                self._by_name[seg.name] = seg
+                self._total += seg.size
+            self._budget.in_use(self._total - sum(f.size for f in self._free), time.monotonic())
             return seg
 
     def hold(self, seg: Segment, count: int = 1) -> None:
@@ -222,9 +254,10 @@ class SegmentPool:
 
     def _trim_locked(self, now: float) -> list[Segment]:
         free_bytes = sum(seg.size for seg in self._free)
+        limit = self._budget.limit(now)
         gone = []
         for seg in self._free[:-1]:  # oldest first; the newest stays for the next message
-            if free_bytes > self.max_free or now - seg.freed_at >= self.max_idle:
+            if free_bytes > limit or now - seg.freed_at >= self.max_idle:
                 gone.append(seg)
                 free_bytes -= seg.size
         if self._free and now - self._free[-1].freed_at >= self.max_idle:
@@ -233,6 +266,7 @@ class SegmentPool:
             for seg in gone:
                 self._free.remove(seg)
                 del self._by_name[seg.name]
+                self._total -= seg.size
         return gone
 
     @property
