@@ -213,7 +213,8 @@ class TorchrunBackend(Backend):
             "shm_keep_mb",
             (int, float),
             256,
-            "free shared memory (MiB) each process keeps for reuse; the oldest beyond it is removed",
+            "free shared memory (MiB) each process keeps for reuse, or, if more, what it had in "
+            "use at once at its peak within shm_keep_s; the oldest beyond that is removed",
         ),
         BackendOption(
             "shm_keep_s",
