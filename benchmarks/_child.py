@@ -40,7 +40,7 @@ def measure(impl: str, sizes: Sizes) -> dict[str, Any]:
 
 def main() -> None:
     impl, raw = sys.argv[1], json.loads(sys.argv[2])
-    sizes = Sizes(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+    sizes = Sizes(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})  # type: ignore[arg-type]
     print("RESULT " + json.dumps(measure(impl, sizes)), flush=True)
 
 

@@ -31,7 +31,7 @@ def _dealer(address: str, server_public: bytes, ident: bytes) -> None:
     import zmq
 
     public, secret = zmq.curve_keypair()
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, public, secret
     sock.identity = ident
     sock.connect(address)
@@ -63,7 +63,7 @@ def zmq_ms(n: int, calls: int) -> float:
     import zmq
 
     public, secret = zmq.curve_keypair()
-    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     router.curve_server, router.curve_publickey, router.curve_secretkey = True, public, secret
     with tempfile.TemporaryDirectory(prefix="bench-zmq-") as tmp:
         address = f"ipc://{os.path.join(tmp, 'control')}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -81,7 +82,7 @@ def run(backend: str, sizes: Sizes, t0: float) -> dict[str, float]:
                     raise RuntimeError(f"podium-{backend} returned a wrong result")
                 del got
                 out[f"data_gib_s@{mib}"] = gib_s(
-                    mib, timed(lambda data=data: main.double(data), sizes.trips(mib))
+                    mib, timed(functools.partial(main.double, data), sizes.trips(mib))
                 )
                 del data
     finally:

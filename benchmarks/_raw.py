@@ -6,6 +6,7 @@ measured with numpy shards (Ray's zero-copy path) and with torch tensors (``raw-
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
@@ -26,12 +27,17 @@ class RawWorker:
         return x * 2
 
 
+def _noops(actors: list[Any]) -> None:
+    ray.get([a.noop.remote() for a in actors])
+
+
 def run(sizes: Sizes, t0: float) -> dict[str, float]:
     ray.init(num_cpus=max(os.cpu_count() or 1, 64), include_dashboard=False, log_to_driver=False)
     out: dict[str, float] = {}
     try:
         actors = [
-            RawWorker.remote() for _ in range(max(sizes.latency_workers + (sizes.data_workers,)))
+            RawWorker.remote()  # type: ignore[attr-defined]
+            for _ in range(max(sizes.latency_workers + (sizes.data_workers,)))
         ]
         main = actors[: sizes.data_workers]
         ray.get([a.noop.remote() for a in main])
@@ -41,7 +47,7 @@ def run(sizes: Sizes, t0: float) -> dict[str, float]:
                 some = actors[:n]
                 out[f"latency_ms@{n}"] = (
                     timed(
-                        lambda some=some: ray.get([a.noop.remote() for a in some]),
+                        functools.partial(_noops, some),
                         sizes.latency_calls,
                         20,
                     )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
@@ -90,7 +91,7 @@ def run(sizes: Sizes, t0: float) -> dict[str, float]:
                     raise RuntimeError("verl returned a wrong result")
                 del got
                 out[f"data_gib_s@{mib}"] = gib_s(
-                    mib, timed(lambda data=data: main.double(data), sizes.trips(mib))
+                    mib, timed(functools.partial(main.double, data), sizes.trips(mib))
                 )
         if sizes.wants("ndmesh"):
             mesh = _group(4, VerlMeshWorker, 2)

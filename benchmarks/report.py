@@ -217,7 +217,9 @@ def plots(summary: Summary, out: Path) -> list[Path]:
         fig.savefig(out / name)
         plt.close(fig)
         written.append(out / name)
-    bars = [(m, TITLES[m][0]) for m in ("start_s", "fsdp_tokens_s") if m in summary]
+    bars: list[tuple[str, str]] = [
+        (m, TITLES[m][0]) for m in ("start_s", "fsdp_tokens_s") if m in summary
+    ]
     bars += [
         (m, f"chain via {_split(m)[1]}, GB/s") for m in summary if _split(m)[0] == "chain_gb_s"
     ]
