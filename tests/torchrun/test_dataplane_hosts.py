@@ -197,11 +197,13 @@ def test_killed_producer_is_data_lost_within_seconds(
         ref = doomed.ref_stage(rows(3))
         info = ref._shards[0].info
         pid = doomed.network_stats()[0]["pid"]
-        # Stopped (its shard server cannot answer the handshake): lost after CONNECT_TIMEOUT.
+        # Stopped (its shard server cannot answer the handshake): lost after CONNECT_TIMEOUT
+        # -- or sooner, if the group's heartbeat_timeout (4 s) declares the stopped rank dead
+        # first and its processes go (then the port refuses the reconnection).
         os.kill(pid, signal.SIGSTOP)
         start = time.monotonic()
         try:
-            with pytest.raises(DataLostError, match="did not answer"):
+            with pytest.raises(DataLostError, match="did not answer|the worker ended"):
                 info.transport.read(info, np.arange(3), ["y"], [], {})
         finally:
             os.kill(pid, signal.SIGCONT)
