@@ -45,6 +45,7 @@ from podium.core.dataplane import (
     plan,
     publish_row_meta,
     read_local,
+    read_transport,
 )
 from podium.core.protocol import DataProto
 from podium.errors import DataLostError
@@ -599,10 +600,11 @@ class BatchRef(RowReference):
                 handle.info.transport.drop()
         flush_releases(wait=wait)
 
-    def _assemble(
-        self, read: Callable[[BatchRef, int, np.ndarray, Sequence[Key], Sequence[str]], Any]
-    ) -> Any:
-        """Read every part with ``read(ref, shard, rows, keys, objects)``; one batch in row order."""
+    def _assemble(self, read: Callable[..., Any]) -> Any:
+        """Read every part with ``read(ref, shard, rows, keys, objects[, copy])``; one batch in row order.
+
+        ``copy=False`` is passed for pieces that are joined afterwards (see :func:`read_transport`).
+        """
         out: Any = None
         for part in self._parts:
             got = _assemble_part(self, part, read)
@@ -643,13 +645,18 @@ def _regroup(per_key: dict[tuple[str, Any], np.ndarray]) -> list[_Part]:
 
 
 def _read_here(
-    ref: BatchRef, shard: int, rows: np.ndarray, keys: Sequence[Key], objects: Sequence[str]
+    ref: BatchRef,
+    shard: int,
+    rows: np.ndarray,
+    keys: Sequence[Key],
+    objects: Sequence[str],
+    copy: bool = True,
 ) -> Any:
     handle = ref._shards[shard]
     if handle.released:
         raise ValueError(f"BatchRef {ref.ref_id} names rows that were released (release())")
     try:
-        return handle.info.transport.read(handle.info, rows, keys, objects, ref.meta_info)
+        return read_transport(handle.info, rows, keys, objects, ref.meta_info, copy)
     except DataLostError as exc:
         raise DataLostError(ref.ref_id, handle.rank, detail=lost_detail(exc)) from None
 
@@ -657,7 +664,7 @@ def _read_here(
 def _assemble_part(
     ref: BatchRef,
     part: _Part,
-    read: Callable[[BatchRef, int, np.ndarray, Sequence[Key], Sequence[str]], Any],
+    read: Callable[..., Any],
 ) -> Any:
     index = part.index
     n = len(index)
@@ -670,18 +677,21 @@ def _assemble_part(
     bounds = np.flatnonzero(np.diff(shards)) + 1
     starts = np.concatenate([[0], bounds])
     ends = np.concatenate([bounds, [n]])
+    # Several pieces are joined into new memory: each is read without a copy of its own.
     if len(starts) <= len(np.unique(shards)) or len(starts) <= 4:
+        if len(starts) == 1:
+            return read(ref, int(shards[0]), index[:, 1], part.keys, part.objects)
         pieces = [
-            read(ref, int(shards[a]), index[a:b, 1], part.keys, part.objects)
+            read(ref, int(shards[a]), index[a:b, 1], part.keys, part.objects, False)
             for a, b in zip(starts, ends)
         ]
-        return pieces[0] if len(pieces) == 1 else _concat(pieces)
+        return _concat(pieces)
     # Scattered rows: one read per shard, then the rows put back in order.
     order = np.argsort(shards, kind="stable")
     pieces = []
     for s in np.unique(shards):
         rows = index[order[shards[order] == s], 1]
-        pieces.append(read(ref, int(s), rows, part.keys, part.objects))
+        pieces.append(read(ref, int(s), rows, part.keys, part.objects, False))
     joined = _concat(pieces)
     inverse = np.empty(n, dtype=np.int64)
     inverse[order] = np.arange(n)

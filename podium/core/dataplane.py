@@ -302,7 +302,12 @@ class Transport:
 
     ``read`` returns the rows and keys asked for, or raises
     :class:`podium.errors.DataLostError` when the shard's producer is gone.
+    A transport with ``reads_views = True`` also takes ``read(..., copy=False)``,
+    which may return read-only views of where the shard lies: its readers pass
+    it when they join the rows of several shards, which copies them anyway.
     """
+
+    reads_views = False
 
     def read(
         self,
@@ -560,9 +565,17 @@ def transfer_stats(reset: bool = False) -> dict[str, int]:
 
 
 def read_rows(
-    ref: Any, shard: int, rows: np.ndarray, keys: Sequence[Key], objects: Sequence[str]
+    ref: Any,
+    shard: int,
+    rows: np.ndarray,
+    keys: Sequence[Key],
+    objects: Sequence[str],
+    copy: bool = True,
 ) -> Any:
-    """Rows of one shard: the stored object when this process holds it, else through its transport."""
+    """Rows of one shard: the stored object when this process holds it, else through its transport.
+
+    ``copy=False``: the caller copies the rows itself (it joins several shards' rows).
+    """
     info = ref._shards[shard].info
     store = _current_store.get()
     local = store.get(info.shard_id) if store is not None and store.uid == info.store else None
@@ -571,7 +584,7 @@ def read_rows(
             _stats["local_reads"] += 1
         return read_local(local, rows, keys, objects, ref.meta_info, copy=False)
     try:
-        part = info.transport.read(info, rows, keys, objects, ref.meta_info)
+        part = read_transport(info, rows, keys, objects, ref.meta_info, copy)
     except DataLostError as exc:  # name the reference and the producer rank
         raise DataLostError(ref.ref_id, ref._shards[shard].rank, detail=lost_detail(exc)) from None
     with _stats_lock:
@@ -579,6 +592,21 @@ def read_rows(
         # The tensor bytes of the rows read (from the layout: no walk over the result).
         _stats["fetched_bytes"] += int(rows.size) * sum(info.layout.column(k).row_bytes for k in keys)
     return part
+
+
+def read_transport(
+    info: ShardInfo,
+    rows: np.ndarray,
+    keys: Sequence[Key],
+    objects: Sequence[str],
+    meta_info: dict[str, Any],
+    copy: bool,
+) -> DataProto | TensorDict:
+    """``info.transport.read``; views where the transport has them and ``copy`` is False."""
+    transport = info.transport
+    if not copy and transport.reads_views:
+        return transport.read(info, rows, keys, objects, meta_info, copy=False)  # type: ignore[call-arg]
+    return transport.read(info, rows, keys, objects, meta_info)
 
 
 def lost_detail(exc: BaseException) -> str:

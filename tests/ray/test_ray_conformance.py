@@ -37,6 +37,20 @@ def test_workers_of_a_local_ray_run_at_the_controllers_priority() -> None:
         assert wg.niceness() == [os.nice(0)] * 2
 
 
+class TorchAllocator(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def huge_pages(self) -> str | None:
+        return os.environ.get("THP_MEM_ALLOC_ENABLE")
+
+
+def test_workers_of_a_local_ray_put_large_torch_tensors_in_huge_pages() -> None:
+    """Fresh result tensors on every call: 4 KiB page faults would cost more than the bytes."""
+    with WorkerGroup(
+        ResourcePool([2], use_gpu=False), ClassWithInitArgs(TorchAllocator), backend="ray"
+    ) as wg:
+        assert wg.huge_pages() == ["1", "1"]
+
+
 class RayEnv(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def ray_env(self) -> dict[str, str | None]:

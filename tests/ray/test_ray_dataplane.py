@@ -1,0 +1,117 @@
+"""The Ray data plane: a shard is one copy in the object store; a consumer copies its rows once."""
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+import torch
+from _raytools import restart_ray, stop_ray
+
+from podium import (
+    ClassWithInitArgs,
+    DataProto,
+    Dispatch,
+    ResourcePool,
+    Worker,
+    WorkerGroup,
+    register,
+)
+from podium.backends.ray.dataplane import columns_of, read_columns
+from podium.core.dataplane import plan
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_other_ray() -> Iterator[None]:
+    restart_ray(num_cpus=8)  # podium's groups join this Ray
+    yield
+    stop_ray()
+
+
+def batch(n: int, offset: int = 0) -> DataProto:
+    ids = torch.arange(offset, offset + n)
+    return DataProto.from_dict(
+        {
+            "x": ids.to(torch.float32)[:, None].expand(-1, 3).clone(),
+            "h": ids.to(torch.bfloat16),  # no numpy dtype: travels as bytes
+            "k": ids.to(torch.int64),
+        },
+        {"uid": [f"u{i}" for i in ids.tolist()]},
+        meta_info={"step": 3},
+        auto_padding=True,
+    )
+
+
+def test_an_export_puts_the_tensors_own_memory_and_reads_copy_only_the_rows() -> None:
+    data = batch(6)
+    layout, _ = plan(data)
+    columns = columns_of(data, layout)
+    # The object is built from views of the tensors: ray.put's copy is the only one.
+    for col, arr in zip(layout.columns, columns):
+        assert arr.ctypes.data == data.batch[col.key].data_ptr()
+    stored = ray.get(ray.put(columns))
+    assert not stored[0].flags.writeable  # object-store pages
+
+    rows = np.arange(2, 5)
+    got = read_columns(layout, stored, rows, ["x", "h", "k"], ["uid"], {"step": 3}, copy=True)
+    assert isinstance(got, DataProto)
+    for key in ("x", "h", "k"):
+        assert torch.equal(got.batch[key], data.batch[key][2:5]), key
+    assert list(got.non_tensor_batch["uid"]) == ["u2", "u3", "u4"]
+    assert got.meta_info == {"step": 3}
+    # The copy is ordinary writable memory, apart from the store.
+    got.batch["x"] += 1
+    again = read_columns(layout, stored, rows, ["x"], [], {}, copy=True)
+    assert torch.equal(again.batch["x"], data.batch["x"][2:5])
+
+    # copy=False (rows that are joined next): views of the store, no copy of their own.
+    view = read_columns(layout, stored, rows, ["x"], [], {}, copy=False)
+    start = stored[0].ctypes.data
+    assert view.batch["x"].data_ptr() == start + 2 * layout.column("x").row_bytes
+    # Scattered rows are gathered (a copy) either way.
+    scattered = read_columns(layout, stored, np.array([4, 0, 4]), ["k"], [], {}, copy=False)
+    assert scattered.batch["k"].tolist() == [4, 0, 4]
+
+
+class Stage(Worker):
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, output="ref")
+    def make(self, seed: DataProto) -> DataProto:
+        ids = seed.batch["i"]
+        return batch(len(ids), int(ids[0]))
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def look(self, data: DataProto) -> dict[str, Any]:
+        """This rank's rows, and whether they are writable memory of its own."""
+        x = data.batch["x"]
+        before = x.clone()
+        x += 1  # a user may write to what it was handed
+        return {
+            "k": data.batch["k"].tolist(),
+            "h": data.batch["h"].float().tolist(),
+            "uid": list(data.non_tensor_batch["uid"]),
+            "wrote": torch.equal(x, before + 1),
+        }
+
+
+def test_consumer_rows_across_producers_are_one_writable_batch_in_order() -> None:
+    pool = lambda n: ResourcePool([n], use_gpu=False)  # noqa: E731
+    with (
+        WorkerGroup(pool(2), ClassWithInitArgs(Stage), backend="ray") as producers,
+        WorkerGroup(pool(3), ClassWithInitArgs(Stage), backend="ray") as consumers,
+    ):
+        # 10 rows on 2 producers (5 each) split 4/3/3 over 3 consumers: rank 1 reads
+        # row 4 of the first shard and rows 0-1 of the second.
+        seed = DataProto.from_dict({"i": torch.arange(10)}, auto_padding=True)
+        ref = producers.make(seed)
+        out = consumers.look(ref)
+        assert [o["k"] for o in out] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+        assert [o["h"] for o in out] == [[float(k) for k in o["k"]] for o in out]
+        assert [o["uid"] for o in out] == [[f"u{k}" for k in o["k"]] for o in out]
+        assert all(o["wrote"] for o in out)
+        # The writes stayed in the consumers: the shards still hold the original rows.
+        assert torch.equal(ref.materialize().batch["x"], batch(10).batch["x"])
+        assert torch.equal(ref[3:7].materialize().batch["k"], torch.arange(3, 7))
+        ref.release(wait=True)
