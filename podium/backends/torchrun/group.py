@@ -53,6 +53,7 @@ from podium.errors import CallTimeoutError, GroupShutdownError, WorkerDiedError,
 __all__ = ["TorchrunFuture", "TorchrunGroup", "TorchrunHandles"]
 
 log = logging.getLogger("podium.torchrun")
+_TORCH_THP_ENV = "THP_MEM_ALLOC_ENABLE"
 
 _TAIL_LINES = 40
 # A tick this late means this process was paused (SIGSTOP, a long call holding
@@ -191,6 +192,11 @@ class TorchrunGroup(BackendGroup):
         env["PODIUM_TR_DATA_HOST"] = self.config.get("data_host") or ""
         if self.config.get("shard_network"):
             env[NETWORK_ENV] = "1"
+        # PyTorch's CPU allocator puts tensors of 2 MiB and more in transparent huge
+        # pages: a method's fresh result tensor then costs a fault per 2 MiB, not per
+        # 4 KiB (a 64 MiB round trip ~20% faster here). The user's own setting wins.
+        if _TORCH_THP_ENV not in env and _TORCH_THP_ENV not in os.environ:
+            env[_TORCH_THP_ENV] = "1"
         if self._probe:
             env["PODIUM_TR_SHM_PROBE"] = self._probe
             keep = shm_keep(self.config)
