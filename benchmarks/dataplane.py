@@ -250,8 +250,11 @@ def measure(
         one_ref = a.produce_ref(DataProto.from_dict({"i": torch.arange(2)}))[:1]
         one_value = one_ref.materialize()
         assert isinstance(one_ref, BatchRef)
-        t_proto = min(timed(lambda: c.rows(one_value), calls, 20) for _ in range(3))
-        t_batchref = min(timed(lambda: c.rows(one_ref), calls, 20) for _ in range(3))
+        # Interleaved, best median of 5 each: the two differ by tens of us, the noise is larger.
+        t_proto = t_batchref = float("inf")
+        for _ in range(5):
+            t_proto = min(t_proto, timed(lambda: c.rows(one_value), calls, 20))
+            t_batchref = min(t_batchref, timed(lambda: c.rows(one_ref), calls, 20))
         out["latency_us_dataproto"] = t_proto * 1e6
         out["latency_us_batchref"] = t_batchref * 1e6
         out["latency_us_added"] = (t_batchref - t_proto) * 1e6

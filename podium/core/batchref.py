@@ -44,6 +44,7 @@ from podium.core.dataplane import (
     lost_detail,
     plan,
     publish_row_meta,
+    read_joined,
     read_local,
     read_transport,
 )
@@ -584,7 +585,7 @@ class BatchRef(RowReference):
     def materialize(self, timeout: float | None = None) -> DataProto | TensorDict:
         """The rows as a ``DataProto`` (or ``TensorDict``) at the controller: the only way bytes reach it."""
         self._check_live()
-        return self._assemble(_read_here)
+        return self._assemble(_read_here, read_joined)
 
     def release(self, wait: bool = False) -> None:
         """Free the producers' memory now, for every reference sharing these shards.
@@ -600,14 +601,17 @@ class BatchRef(RowReference):
                 handle.info.transport.drop()
         flush_releases(wait=wait)
 
-    def _assemble(self, read: Callable[..., Any]) -> Any:
+    def _assemble(self, read: Callable[..., Any], join: Callable[..., Any] | None = None) -> Any:
         """Read every part with ``read(ref, shard, rows, keys, objects[, copy])``; one batch in row order.
 
         ``copy=False`` is passed for pieces that are joined afterwards (see :func:`read_transport`).
+        A part made of a few runs of consecutive rows is first offered whole to
+        ``join(ref, runs, keys, objects)`` (see :func:`read_joined`), which may
+        return it without copying the runs together.
         """
         out: Any = None
         for part in self._parts:
-            got = _assemble_part(self, part, read)
+            got = _assemble_part(self, part, read, join)
             if out is None:
                 out = got
             elif isinstance(out, DataProto):
@@ -661,10 +665,15 @@ def _read_here(
         raise DataLostError(ref.ref_id, handle.rank, detail=lost_detail(exc)) from None
 
 
+# A part of more runs of consecutive rows than this is not offered to a joined read.
+_MAX_JOINED_RUNS = 64
+
+
 def _assemble_part(
     ref: BatchRef,
     part: _Part,
     read: Callable[..., Any],
+    join: Callable[..., Any] | None = None,
 ) -> Any:
     index = part.index
     n = len(index)
@@ -673,6 +682,15 @@ def _assemble_part(
     shards = index[:, 0]
     if shards[0] == shards[-1] and (n < 3 or bool((shards == shards[0]).all())):
         return read(ref, int(shards[0]), index[:, 1], part.keys, part.objects)  # one shard
+    if join is not None:
+        # Runs of consecutive rows of one shard, split where the shard changes or a row is skipped.
+        breaks = np.flatnonzero((np.diff(shards) != 0) | (np.diff(index[:, 1]) != 1)) + 1
+        if len(breaks) < _MAX_JOINED_RUNS:
+            cuts = [0, *breaks.tolist(), n]
+            runs = [(int(shards[a]), index[a:b, 1]) for a, b in zip(cuts, cuts[1:])]
+            joined = join(ref, runs, part.keys, part.objects)
+            if joined is not None:
+                return joined
     # Runs of consecutive rows from one shard; the common case is one run per shard.
     bounds = np.flatnonzero(np.diff(shards)) + 1
     starts = np.concatenate([[0], bounds])

@@ -29,6 +29,7 @@ goes through the transport; a producer that is gone is a
 from __future__ import annotations
 
 import contextvars
+import mmap
 import pickle
 import threading
 import uuid
@@ -54,6 +55,7 @@ __all__ = [
     "Transport",
     "fetch",
     "held_shards",
+    "read_joined",
     "set_exporter",
     "transfer_stats",
 ]
@@ -61,6 +63,7 @@ __all__ = [
 # Built-in target: frees shards of this worker's store (``__podium_release__(ids)``).
 RELEASE = "__podium_release__"
 _ALIGN = 64
+_PAGE = mmap.PAGESIZE
 
 
 # -- layout ------------------------------------------------------------------
@@ -169,6 +172,10 @@ def plan(data: DataProto | TensorDictBase) -> tuple[Layout, Callable[[np.ndarray
     for key, t in tensors.items():
         row_shape = tuple(t.shape[1:])
         row_bytes = int(np.prod(row_shape, dtype=np.int64)) * t.element_size()
+        if row_bytes and row_bytes % _PAGE == 0:
+            # Whole-page rows on a page boundary: a reader can map rows of several shards
+            # side by side instead of copying them together (Transport.read_joined).
+            offset = (offset + _PAGE - 1) // _PAGE * _PAGE
         columns.append(Column(key, t.dtype, row_shape, offset, row_bytes))
         offset = _align(offset + n * row_bytes)
     blob = pickle.dumps(objects, protocol=5) if objects else b""
@@ -318,6 +325,22 @@ class Transport:
         meta_info: dict[str, Any],
     ) -> DataProto | TensorDict:
         raise NotImplementedError
+
+    @classmethod
+    def read_joined(
+        cls,
+        pieces: Sequence[tuple[ShardInfo, np.ndarray]],
+        keys: Sequence[Key],
+        objects: Sequence[str],
+        meta_info: dict[str, Any],
+    ) -> DataProto | TensorDict | None:
+        """The rows of several shards in order, as one batch, without copying them together.
+
+        ``pieces``: ``(info, rows)`` per run, rows consecutive within their
+        shard, every transport of this class. None (the default) when this
+        transport cannot; the reader then reads each piece and joins them.
+        """
+        return None
 
     def drop(self) -> None:
         """Forget what this copy holds (the controller released the shard)."""
@@ -594,6 +617,35 @@ def read_rows(
     return part
 
 
+def read_joined(
+    ref: Any, runs: Sequence[tuple[int, np.ndarray]], keys: Sequence[Key], objects: Sequence[str]
+) -> DataProto | TensorDict | None:
+    """Runs ``(shard, consecutive rows)`` of ``ref`` as one batch through their transport's
+    :meth:`Transport.read_joined`; None when it cannot (or a shard is here, or gone)."""
+    store = _current_store.get()
+    pieces = []
+    for shard, rows in runs:
+        handle = ref._shards[shard]
+        if handle.released or (store is not None and store.uid == handle.info.store):
+            return None
+        pieces.append((handle.info, rows))
+    cls = type(pieces[0][0].transport)
+    if any(type(info.transport) is not cls for info, _ in pieces):
+        return None
+    try:
+        out = cls.read_joined(pieces, keys, objects, ref.meta_info)
+    except DataLostError:
+        return None  # the piecewise read names the producer that is gone
+    if out is not None:
+        nbytes = sum(
+            int(rows.size) * info.layout.column(k).row_bytes for info, rows in pieces for k in keys
+        )
+        with _stats_lock:
+            _stats["fetches"] += len(pieces)
+            _stats["fetched_bytes"] += nbytes
+    return out
+
+
 def read_transport(
     info: ShardInfo,
     rows: np.ndarray,
@@ -616,7 +668,7 @@ def lost_detail(exc: BaseException) -> str:
 
 def fetch(ref: Any) -> DataProto | TensorDict:
     """The rows and keys ``ref`` names, read from the ranks that hold them (see :meth:`BatchRef.materialize`)."""
-    return ref._assemble(read_rows)
+    return ref._assemble(read_rows, read_joined)
 
 
 def run_in_store(store: ShardStore) -> contextvars.Token[ShardStore | None]:

@@ -7,7 +7,11 @@ the shard costs its memory once). How a reader gets the rows it needs:
 
 - **on the producer's host**: it maps the segment copy-on-write
   (``MAP_PRIVATE``) and builds its tensors on the mapping: consecutive rows are
-  read without a copy, and a reader never sees another reader's writes.
+  read without a copy, and a reader never sees another reader's writes. The
+  mapping is kept for the next read of the same segment, and rows of several
+  segments that a reader needs as one tensor are mapped side by side when
+  they are whole pages (see :mod:`.mappings`); a shard of at most
+  ``SMALL_SHARD`` bytes is copied instead.
 - **on another host**: it asks the producer's shard server
   (:mod:`.shardserver`, CURVE-authenticated: only ranks of this controller's
   groups, and the controller, may read) for exactly its rows and keys, sliced
@@ -20,8 +24,8 @@ comes later finds it gone) and kept for a later export of this rank: a fresh
 segment costs its page allocation and faults again (~6x a copy into a warm
 one), so a chain that exports every step reuses the same pages. A segment is
 reused only when nobody can see it any more: this process holds no tensor on
-it (a weak reference says so), and no reader on this host maps it -- a reader
-holds a shared ``flock`` on the segment for as long as its mapping lives, and
+it (a weak reference says so), and no reader on this host reads it -- a reader
+holds a shared ``flock`` on the segment for as long as its tensors on it live, and
 the producer takes the segment back only if an exclusive ``flock`` succeeds.
 Free segments beyond the rank's shared-memory budget, or idle too long, are
 removed. Segments are removed when the worker stops, and -- by the rank's
@@ -44,8 +48,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 from tensordict import TensorDict, TensorDictBase
 
+from podium.backends.torchrun.mappings import PAGE, shared_reads
 from podium.backends.torchrun.shm import (
     _MIN_SEGMENT,
     MAX_FREE_BYTES,
@@ -55,7 +61,15 @@ from podium.backends.torchrun.shm import (
     Segment,
 )
 from podium.core._batch_utils import Key
-from podium.core.dataplane import Exporter, Layout, ShardInfo, Transport, read_buffer
+from podium.core.dataplane import (
+    Column,
+    Exporter,
+    Layout,
+    ShardInfo,
+    Transport,
+    _build,
+    read_buffer,
+)
 from podium.core.protocol import DataProto
 from podium.errors import DataLostError, PodiumError
 
@@ -66,6 +80,8 @@ __all__ = ["NETWORK_ENV", "ShmExporter", "ShmTransport"]
 NETWORK_ENV = "PODIUM_TR_SHARD_NETWORK"
 # A shard this small is read by copying it whole (one pread) rather than mapped.
 SMALL_SHARD = 256 << 10
+# Rows of several segments joined for a reader are mapped side by side (no copy) above this size.
+JOIN_MAP_MIN = SMALL_SHARD
 
 
 class ShmTransport(Transport):
@@ -94,7 +110,7 @@ class ShmTransport(Transport):
     ) -> DataProto | TensorDict:
         if self.released:
             raise DataLostError(info.shard_id, None, detail="it was released (release())")
-        here = socket.gethostname() == self.host and os.environ.get(NETWORK_ENV) != "1"
+        here = self.host == _HOST and os.environ.get(NETWORK_ENV) != "1"
         if not here:
             if not self.endpoint:
                 raise PodiumError(
@@ -115,50 +131,130 @@ class ShmTransport(Transport):
                 objects,
                 meta_info,
             )
-        path = os.path.join(SHM_DIR, self.name)
-
-        def gone() -> DataLostError:
-            detail = "its producer's shared memory is gone (released, or the worker ended)"
-            return DataLostError(info.shard_id, None, detail=detail)
-
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise gone() from None
-        try:
-            # Shared lock for as long as the mapping lives: the producer reuses
-            # the segment only once it can lock it exclusively (see ShmExporter).
-            fcntl.flock(fd, fcntl.LOCK_SH)
+        if info.layout.nbytes <= SMALL_SHARD:
+            # A copy under the lock: cheaper than a mapping, and nothing to unlock later.
+            fd = _open_locked(self.name)
+            if fd is None:
+                raise _gone(info)
             try:
-                same = os.stat(path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:  # released (renamed for reuse) between our open and our lock
-                raise gone()
-            copy, mapping = None, None
-            if info.layout.nbytes <= SMALL_SHARD:
-                # A copy under the lock: cheaper than a mapping, and nothing to unlock later.
                 copy = bytearray(info.layout.nbytes)
                 complete = os.preadv(fd, [copy], 0) == len(copy)
-            else:
-                mapping = mmap.mmap(
-                    fd, self.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-                )
-        except BaseException:
-            os.close(fd)
-            raise
-        if mapping is None:
-            os.close(fd)
+            finally:
+                os.close(fd)
             if not complete:
-                raise gone()
-            buf = np.frombuffer(copy, dtype=np.uint8)  # type: ignore[arg-type]
+                raise _gone(info)
+            buf = np.frombuffer(copy, dtype=np.uint8)
         else:
-            weakref.finalize(mapping, os.close, fd)  # the tensors on it are gone: unlock
-            buf = np.frombuffer(mapping, dtype=np.uint8)
+            mapped = shared_reads().read([(self.name, 0, self.nbytes)])
+            if mapped is None:
+                raise _gone(info)
+            buf = mapped
         return read_buffer(info.layout, buf, rows, keys, objects, meta_info, writable=True)
+
+    @classmethod
+    def read_joined(
+        cls,
+        pieces: Sequence[tuple[ShardInfo, np.ndarray]],
+        keys: Sequence[Key],
+        objects: Sequence[str],
+        meta_info: dict[str, Any],
+    ) -> DataProto | TensorDict | None:
+        """Runs of consecutive rows of segments on this host, each key's runs mapped back to back.
+
+        Keys whose rows are whole pages (``row_bytes`` a multiple of the page
+        size, in a page-aligned column: see :func:`podium.core.dataplane.plan`)
+        are mapped; the other keys and the non-tensor columns are read piece
+        by piece and copied together (small, as rows of a few bytes are).
+        None when no key can be mapped, when the mapped bytes are too few
+        for a mapping to beat a copy, or when a segment is gone (the
+        caller's piecewise read then reports it).
+        """
+        ts = [info.transport for info, _ in pieces]
+        here = [t for t in ts if isinstance(t, ShmTransport) and not t.released and t.host == _HOST]
+        if len(here) < len(ts) or os.environ.get(NETWORK_ENV) == "1":
+            return None
+        m = sum(int(rows.size) for _, rows in pieces)
+        ranges: list[tuple[str, int, int]] = []  # (segment, offset, nbytes)
+        mapped: list[tuple[Key, Column]] = []
+        for key in keys:
+            cols = [info.layout.column(key) for info, _ in pieces]
+            first = cols[0]
+            if first.row_bytes == 0 or any(
+                c.row_bytes % PAGE
+                or c.offset % PAGE
+                or (c.dtype, c.row_shape) != (first.dtype, first.row_shape)
+                for c in cols
+            ):
+                continue
+            mapped.append((key, first))
+            for t, c, (_, rows) in zip(here, cols, pieces):
+                start, count = c.offset + int(rows[0]) * c.row_bytes, int(rows.size) * c.row_bytes
+                ranges.append((t.name, start, count))
+        if sum(n for _, _, n in ranges) <= JOIN_MAP_MIN:
+            return None
+        buf = shared_reads().read(ranges)
+        if buf is None:
+            return None
+        tensors: dict[Key, torch.Tensor] = {}
+        at = 0
+        for key, col in mapped:
+            nbytes = m * col.row_bytes
+            view = torch.from_numpy(buf[at : at + nbytes])
+            tensors[key] = view.view(col.dtype).reshape(m, *col.row_shape)
+            at += nbytes
+        rest = [k for k in keys if k not in tensors]
+        non_tensors: dict[str, np.ndarray] = {}
+        if rest or objects:
+            parts = [
+                t.read(info, rows, rest, objects, meta_info)
+                for t, (info, rows) in zip(here, pieces)
+            ]
+            batches = [p.batch if isinstance(p, DataProto) else p for p in parts]
+            for key in rest:
+                tensors[key] = torch.cat([b.get(key) for b in batches if b is not None])
+            for k in objects:
+                non_tensors[k] = np.concatenate(
+                    [p.non_tensor_batch[k] for p in parts if isinstance(p, DataProto)]
+                )
+        ordered = {key: tensors[key] for key in keys}
+        return _build(pieces[0][0].layout.kind, ordered, non_tensors, m, meta_info)
 
     def drop(self) -> None:
         self.released = True
+
+
+_HOST = socket.gethostname()
+
+
+def _gone(info: ShardInfo) -> DataLostError:
+    detail = "its producer's shared memory is gone (released, or the worker ended)"
+    return DataLostError(info.shard_id, None, detail=detail)
+
+
+def _open_locked(name: str) -> int | None:
+    """A descriptor of segment ``name`` holding its shared lock, or None when it is gone.
+
+    The lock lasts as long as the descriptor: the producer reuses a segment
+    only once it can lock it exclusively (see :class:`ShmExporter`).
+    """
+    path = os.path.join(SHM_DIR, name)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+    except BaseException:
+        os.close(fd)
+        raise
+    if not same:  # released (renamed for reuse) between our open and our lock
+        os.close(fd)
+        return None
+    return fd
 
 
 ServerFactory = Callable[[Callable[[str], "tuple[np.ndarray, Layout] | None"]], Any]

@@ -38,6 +38,7 @@ from podium.backends.torchrun import wire
 from podium.backends.torchrun.channel import ControlChannel
 from podium.backends.torchrun.dataplane import NETWORK_ENV
 from podium.backends.torchrun.futures import CallBatch, TorchrunFuture
+from podium.backends.torchrun.mappings import shared_reads
 from podium.backends.torchrun.shm import (
     SegmentMap,
     SegmentPool,
@@ -456,6 +457,7 @@ class TorchrunGroup(BackendGroup):
             self._expire(call_id)
         self._collect_freed(self._ranks[0])
         self._segments.trim()  # workers' segments they removed: unmap them here too
+        shared_reads().trim()  # and exported ones that materialize() mapped
         if self._pool is not None:
             self._pool.trim()
         for r in self._ranks:

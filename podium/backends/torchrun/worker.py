@@ -269,6 +269,7 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
 
     from podium.backends.torchrun import wire
     from podium.backends.torchrun.channel import send_frames
+    from podium.backends.torchrun.mappings import shared_reads
     from podium.backends.torchrun.shm import (
         MAX_FREE_BYTES,
         MAX_IDLE_S,
@@ -365,6 +366,7 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
                 if exporter is not None:
                     exporter.trim()
                 segments.trim()
+                shared_reads().trim()  # other ranks' exports this rank read, since removed
             if not msg:
                 continue
             if first.more:

@@ -79,6 +79,33 @@ class DataPlaneTests(BackendFixtures):
         # A DataProto call on a BatchRef gives the plain call's result too.
         assert_same(trio_wg.value_stage(a, scale=3.0), trio_wg.value_stage(get(a), scale=3.0))
 
+    def test_a_chain_of_page_sized_rows_step_after_step(
+        self, pair_wg: WorkerGroup, trio_wg: WorkerGroup
+    ) -> None:
+        # 4 KiB rows, enough of them that a consumer's rows span two producers' shards;
+        # each consumer writes into its input, which must stay its own.
+        n = 301
+        data = DataProto.from_dict(
+            {
+                "x": torch.arange(n, dtype=torch.float32),
+                "w": torch.arange(n * 1024, dtype=torch.float32).reshape(n, 1024),
+            },
+            {"uid": [f"u{i}" for i in range(n)]},
+            auto_padding=True,
+        )
+        for step in range(2):  # the second step reuses what the first one left
+            a = pair_wg.ref_stage(data, scale=2.0)
+            b = trio_wg.bump_ref(a, by=1.0)
+            c = pair_wg.bump_ref(b, by=10.0)
+            got = c.materialize()
+            assert torch.equal(got.batch["w"], data.batch["w"] + 11.0), step
+            assert list(got.non_tensor_batch["uid"]) == [f"u{i}" for i in range(n)]
+            # The producers' rows are untouched by what their readers wrote.
+            assert torch.equal(get(a).batch["w"], data.batch["w"]), step
+            assert torch.equal(get(b).batch["w"], data.batch["w"] + 1.0), step
+            for ref in (a, b, c):
+                ref.release()
+
     def test_consumer_receives_only_its_rows_and_keys(
         self, backend: Backend, pair_wg: WorkerGroup, trio_wg: WorkerGroup
     ) -> None:

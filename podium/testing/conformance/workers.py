@@ -294,6 +294,19 @@ class ConformanceWorker(Worker):
     def value_stage(self, data: DataProto, scale: float = 2.0) -> DataProto:
         return self._stage(data, scale)
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, output="ref")
+    def bump_ref(self, data: DataProto, by: float = 1.0) -> DataProto:
+        """Adds ``by`` to its input's ``w`` in place (a rank owns what it reads) and returns it."""
+        w = data.batch["w"]
+        self.last_w = {"file": mapped_file(w.data_ptr()), "rows": len(w)}
+        w.add_(by)
+        return data
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def last_input(self) -> dict[str, Any]:
+        """Where the ``w`` of this rank's last ``bump_ref`` input lay: the file mapped there, if any."""
+        return dict(getattr(self, "last_w", {}))
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def received(self, data: Any) -> dict[str, Any]:
         """What this rank was handed: its type, keys and row values."""
@@ -312,6 +325,20 @@ class ConformanceWorker(Worker):
         from podium.core.dataplane import held_shards, transfer_stats
 
         return {**transfer_stats(reset), **held_shards()}
+
+
+def mapped_file(address: int) -> str | None:
+    """The file mapped at ``address`` in this process (``/proc/self/maps``), if any."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split()
+                lo, hi = (int(v, 16) for v in fields[0].split("-"))
+                if lo <= address < hi:
+                    return fields[5] if len(fields) > 5 else None
+    except OSError:
+        pass
+    return None
 
 
 class LifecycleWorker(ConformanceWorker):
