@@ -28,7 +28,7 @@ class Sizes:
     data_mib: tuple[int, ...] = (1, 16, 64, 256)
     ndmesh_mib: int = 16
     chain_mib: int = 64
-    chain_rounds: int = 3
+    chain_rounds: int = 7
     fsdp_world_size: int = 2
     fsdp_steps: int = 6
     fsdp_warmup: int = 2
