@@ -36,7 +36,7 @@ from __future__ import annotations
 import copy as _copy
 import os
 import pickle
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias, overload
 
@@ -951,6 +951,17 @@ def _rebuild(cls: type[DataProto], state: dict[str, Any]) -> DataProto:
 _LARGE = 1 << 20  # bytes; above this rows are joined by numpy
 
 
+_row_joiners: list[Callable[[list[torch.Tensor]], torch.Tensor | None]] = []
+
+
+def register_row_joiner(join: Callable[[list[torch.Tensor]], torch.Tensor | None]) -> None:
+    """Let a backend join large row blocks without a copy: ``join(parts)`` returns the joined
+    tensor, or None to leave it to :func:`cat_rows` (a backend whose results lie in memory
+    it can map side by side registers one; see the torchrun backend)."""
+    if join not in _row_joiners:
+        _row_joiners.append(join)
+
+
 def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(parts, dim=0)``, fast for large CPU tensors.
 
@@ -965,6 +976,10 @@ def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     nbytes = first.element_size() * first[:1].numel() * rows
     if first.device.type != "cpu" or nbytes < _LARGE or first.dim() == 0:
         return torch.cat(parts, dim=0)
+    for join in _row_joiners:
+        joined = join(parts)
+        if joined is not None:
+            return joined
     as_bytes = [p.contiguous().view(torch.uint8).reshape(int(p.shape[0]), -1).numpy() for p in parts]
     joined = torch.from_numpy(np.concatenate(as_bytes, axis=0))
     return joined.view(first.dtype).reshape(rows, *first.shape[1:])

@@ -244,6 +244,10 @@ class OwnerWorker(Worker):
     def make(self, value: float) -> torch.Tensor:
         return torch.full((N,), value)
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def rows_plus(self, data: DataProto, value: float) -> DataProto:
+        return DataProto.from_dict({"y": data.batch["x"] + value})
+
 
 @pytest.fixture(scope="module")
 def wg():
@@ -286,6 +290,28 @@ def test_a_result_written_by_the_controller_does_not_leak_into_later_results(
         for r in results:
             r.add_(100.0)
         del results
+
+
+@pytest.mark.timeout(120)
+def test_a_collect_maps_the_ranks_large_results_side_by_side(wg: WorkerGroup) -> None:
+    from podium.testing.conformance.workers import mapped_file
+
+    x = torch.arange(512 * 1024, dtype=torch.float32).reshape(512, 1024)  # 2 MiB, 4 KiB rows
+    data = DataProto.from_dict({"x": x})
+    first = wg.rows_plus(data, 1.0)
+    y = first.batch["y"]
+    assert torch.equal(y, x + 1.0)
+    # One tensor: its rows of rank 0 lie in rank 0's segment, those of rank 1 in rank 1's.
+    assert "/dev/shm/" in str(mapped_file(y.data_ptr()))
+    assert "/dev/shm/" in str(mapped_file(y[256].data_ptr()))
+    assert mapped_file(y.data_ptr()) != mapped_file(y[256].data_ptr())
+    y[0] = -1.0  # the controller's own copy of that page
+    second = wg.rows_plus(data, 2.0)  # while the first result lives: other segments
+    assert torch.equal(second.batch["y"], x + 2.0)
+    assert torch.equal(y[1:], (x + 1.0)[1:]) and bool((y[0] == -1.0).all())
+    del first, second, y
+    for step in range(3):  # the segments come back; nothing written earlier shows through
+        assert torch.equal(wg.rows_plus(data, 3.0 + step).batch["y"], x + 3.0 + step)
 
 
 @pytest.mark.timeout(180)

@@ -38,7 +38,7 @@ from podium.backends.torchrun import wire
 from podium.backends.torchrun.channel import ControlChannel
 from podium.backends.torchrun.dataplane import NETWORK_ENV
 from podium.backends.torchrun.futures import CallBatch, TorchrunFuture
-from podium.backends.torchrun.mappings import shared_reads
+from podium.backends.torchrun.mappings import join_rows, shared_reads
 from podium.backends.torchrun.shm import (
     SegmentMap,
     SegmentPool,
@@ -49,6 +49,7 @@ from podium.backends.torchrun.shm import (
 from podium.core.backend import BackendGroup, GroupSpec, RankCall
 from podium.core.futures import RankFuture
 from podium.core.host import RESULT_NOT_LOADED, Outcome, crossing_failure
+from podium.core.protocol import register_row_joiner
 from podium.errors import CallTimeoutError, GroupShutdownError, WorkerDiedError, WorkerStartupError
 
 __all__ = ["TorchrunFuture", "TorchrunGroup", "TorchrunHandles"]
@@ -125,6 +126,8 @@ class TorchrunGroup(BackendGroup):
         self._beat_timeout = float(config["heartbeat_timeout"])
         self._forward = bool(config["forward_output"])
         self._segments = SegmentMap()
+        # A collect joins the ranks' large results by mapping them side by side (no copy).
+        register_row_joiner(join_rows)
         self._pool: SegmentPool | None = None
         self._probe: str | None = None
         try:

@@ -42,10 +42,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
-from podium.backends.torchrun.shm import SHM_DIR, _page_faults, _PageMap
+from podium.backends.torchrun.shm import SHM_DIR, _page_faults, _PageMap, segment_maps
 
-__all__ = ["PAGE", "SharedReads", "map_ranges", "shared_reads"]
+__all__ = ["PAGE", "SharedReads", "join_rows", "map_ranges", "shared_reads"]
 
 PAGE = mmap.PAGESIZE
 _MAP_FIXED = 0x10
@@ -100,7 +101,8 @@ def map_ranges(ranges: Sequence[tuple[int, int, int]]) -> int:
 class _Array:
     """Exposes one mapping to numpy; arrays made from it keep it (their ``base``) alive."""
 
-    def __init__(self, addr: int, nbytes: int) -> None:
+    def __init__(self, addr: int, nbytes: int, keep: object = None) -> None:
+        self.keep = keep  # what must outlive the array (the views a collect joined)
         self.__array_interface__ = {
             "shape": (nbytes,),
             "typestr": "|u1",
@@ -143,12 +145,14 @@ class SharedReads:
         self._pagemap = _PageMap()
         self.hits = 0  # reads served by a kept mapping (tests, benchmarks)
 
-    def read(self, ranges: Sequence[tuple[str, int, int]]) -> np.ndarray | None:
+    def read(
+        self, ranges: Sequence[tuple[str, int, int]], keep: object = None
+    ) -> np.ndarray | None:
         """Ranges ``(segment name, offset, nbytes)``, whole pages, as one writable uint8 array.
 
         None when a segment is gone (released or removed: the caller reports
         the shard lost). The segments stay locked (shared) until the array and
-        every view of it are gone.
+        every view of it are gone; so does ``keep``.
         """
         with self._lock:
             self._trim_locked()
@@ -167,7 +171,7 @@ class SharedReads:
                 raise
             region.busy = True
             region.used_at = time.monotonic()
-        array = np.asarray(_Array(region.addr, region.size))
+        array = np.asarray(_Array(region.addr, region.size, keep))
         weakref.finalize(array, self._done, region, _page_faults())
         return array
 
@@ -302,3 +306,47 @@ def shared_reads() -> SharedReads:
             if _shared is None:
                 _shared = SharedReads()
     return _shared
+
+
+# Joining fewer bytes than this by mapping does not pay (a copy of them is cheap).
+JOIN_MIN = 1 << 20
+
+
+def join_rows(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.cat(parts)`` without a copy, when every part is whole pages of a segment mapped here.
+
+    A collect joins the ranks' results, each read from the rank's segment
+    (:class:`~podium.backends.torchrun.shm.SegmentMap`); large buffers start
+    on a page there, so the parts can be mapped side by side. The joined
+    tensor keeps the parts alive: their segments go back to their ranks when
+    it is gone. None (the caller copies) otherwise.
+    """
+    first = parts[0]
+    if len(parts) < 2 or first.device.type != "cpu":
+        return None
+    maps = segment_maps()
+    ranges = []
+    for part in parts:
+        nbytes = part.numel() * part.element_size()
+        if (
+            part.dtype != first.dtype
+            or part.shape[1:] != first.shape[1:]
+            or not part.is_contiguous()
+            or part.data_ptr() % PAGE
+            or nbytes % PAGE
+            or nbytes == 0
+        ):
+            return None
+        where = next(
+            (found for m in maps if (found := m.locate(part.data_ptr(), nbytes)) is not None), None
+        )
+        if where is None or where[1] % PAGE:
+            return None
+        ranges.append((where[0], where[1], nbytes))
+    if sum(n for _, _, n in ranges) < JOIN_MIN:
+        return None
+    joined = shared_reads().read(ranges, keep=list(parts))
+    if joined is None:
+        return None
+    rows = sum(int(p.shape[0]) for p in parts)
+    return torch.from_numpy(joined).view(first.dtype).reshape(rows, *first.shape[1:])

@@ -289,20 +289,34 @@ class SegmentPool:
             seg.close()
 
 
-def write_buffers(seg: Segment, buffers: list[memoryview]) -> list[tuple[int, int]]:
-    """Copy ``buffers`` into ``seg`` back to back (aligned); return their (offset, length)."""
+# A buffer this large starts on a page boundary, so a reader can map it next to
+# others (see podium.backends.torchrun.mappings) instead of copying them together.
+PAGE_ALIGNED_MIN = 1 << 20
+
+
+def _places(buffers: list[memoryview]) -> tuple[list[tuple[int, int]], int]:
+    """Where ``buffers`` go in a segment, back to back and aligned; and the bytes they span."""
     places = []
     off = 0
     for buf in buffers:
         n = buf.nbytes
-        seg.view[off : off + n] = buf
+        if n >= PAGE_ALIGNED_MIN:
+            off += -off % _PAGE
         places.append((off, n))
         off = align(off + n)
+    return places, off
+
+
+def write_buffers(seg: Segment, buffers: list[memoryview]) -> list[tuple[int, int]]:
+    """Copy ``buffers`` into ``seg`` back to back (aligned); return their (offset, length)."""
+    places, _ = _places(buffers)
+    for buf, (off, n) in zip(buffers, places):
+        seg.view[off : off + n] = buf
     return places
 
 
 def packed_size(buffers: list[memoryview]) -> int:
-    return sum(align(b.nbytes) for b in buffers)
+    return _places(buffers)[1]
 
 
 class _PageMap:
@@ -391,6 +405,7 @@ class SegmentMap:
         self._released: deque[str] = deque()
         self._lock = threading.Lock()
         self._pagemap = _PageMap()
+        _segment_maps.add(self)
 
     def _map(self, name: str) -> mmap.mmap:
         m = self._maps.get(name)
@@ -479,15 +494,17 @@ class SegmentMap:
             except IndexError:
                 return out
 
-    def address_of(self, buf: memoryview) -> tuple[str, int] | None:
-        """If ``buf`` lies inside a mapped segment, its (name, offset) there."""
-        if not self._maps:
-            return None
-        addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data if buf.nbytes else 0
-        for name, m in list(self._maps.items()):
-            base = np.frombuffer(m, dtype=np.uint8).ctypes.data
-            if base <= addr and addr + buf.nbytes <= base + len(m):
-                return name, addr - base
+    def locate(self, address: int, nbytes: int) -> tuple[str, int] | None:
+        """If ``nbytes`` at ``address`` lie inside a segment mapped here, its (name, offset) there."""
+        with self._lock:
+            maps = list(self._maps.items())
+        for name, m in maps:
+            try:
+                base = np.frombuffer(m, dtype=np.uint8).ctypes.data
+            except ValueError:  # closed meanwhile
+                continue
+            if base <= address and address + nbytes <= base + len(m):
+                return name, address - base
         return None
 
     def close(self) -> None:
@@ -500,6 +517,14 @@ class SegmentMap:
                 m.close()
             except BufferError:
                 pass
+
+
+# Every SegmentMap of this process: where a collect looks up the segments its parts lie in.
+_segment_maps: weakref.WeakSet[SegmentMap] = weakref.WeakSet()
+
+
+def segment_maps() -> list[SegmentMap]:
+    return list(_segment_maps)
 
 
 ReleaseSink = Callable[[list[str]], None]
