@@ -18,6 +18,7 @@ from podium.backends.torchrun.dataplane import ShmExporter, ShmTransport
 from podium.backends.torchrun.mappings import PAGE, SharedReads, shared_reads
 from podium.backends.torchrun.shm import unlink_prefix
 from podium.core.dataplane import ShardInfo, plan
+from podium.testing.conformance.workers import mapped_file
 
 PREFIX = "podium-testreads-"
 ROWS = 64
@@ -43,17 +44,6 @@ def rows_of(start: float, cols: int = 2 * PAGE_COLS) -> DataProto:
     """Row i holds start + i everywhere."""
     values = torch.arange(ROWS, dtype=torch.float32)[:, None] + start
     return DataProto.from_dict({"x": values.expand(ROWS, cols).contiguous()})
-
-
-def segment_of(address: int) -> str | None:
-    """The /dev/shm file mapped at ``address`` in this process, if any."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split()
-            lo, hi = (int(v, 16) for v in fields[0].split("-"))
-            if lo <= address < hi:
-                return fields[5] if len(fields) > 5 else None
-    return None
 
 
 def test_a_second_read_of_a_reused_segment_uses_the_kept_mapping(producers) -> None:
@@ -99,8 +89,8 @@ def test_rows_of_two_segments_are_mapped_side_by_side_not_copied(producers) -> N
     assert torch.equal(x, want)
     # One tensor whose first rows lie in the first segment and the rest in the second.
     row = x.stride(0) * 4
-    assert segment_of(x.data_ptr()).endswith(ia.transport.name)
-    assert segment_of(x.data_ptr() + 24 * row).endswith(ib.transport.name)
+    assert str(mapped_file(x.data_ptr())).endswith(ia.transport.name)
+    assert str(mapped_file(x.data_ptr() + 24 * row)).endswith(ib.transport.name)
     # While it lives, neither producer may reuse its segment; once it is gone, both can.
     del la, lb
     gc.collect()
