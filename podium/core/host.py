@@ -189,18 +189,19 @@ class WorkerHost:
             pads = start_worker_pads()
             store = dataplane.run_in_store(self.shards)
             try:
-                # A BatchRef argument becomes the rows and keys it names, read from its producers.
-                args = tuple(dataplane.fetch(a) if isinstance(a, dataplane.RowReference) else a for a in args)
-                kwargs = {k: dataplane.fetch(v) if isinstance(v, dataplane.RowReference) else v for k, v in kwargs.items()}
-                if spec is None or spec.materialize_futures:
-                    args = tuple(_materialize(a) for a in args)
-                    kwargs = {k: _materialize(v) for k, v in kwargs.items()}
+                if args or kwargs:
+                    # A BatchRef argument becomes the rows and keys it names, read from its producers.
+                    args = tuple(dataplane.fetch(a) if isinstance(a, dataplane.RowReference) else a for a in args)
+                    kwargs = {k: dataplane.fetch(v) if isinstance(v, dataplane.RowReference) else v for k, v in kwargs.items()}
+                    if spec is None or spec.materialize_futures:
+                        args = tuple(_materialize(a) for a in args)
+                        kwargs = {k: _materialize(v) for k, v in kwargs.items()}
                 # A Worker built inside a method (a sub-worker, as verl builds in
                 # init_model) gets this rank, not the environment's (none inline).
                 token = _constructing_rank.set(self.info)
                 try:
                     result = method(*args, **kwargs)
-                    if inspect.isawaitable(result):
+                    if result is not None and inspect.isawaitable(result):
                         result = self._run_async(result)
                 finally:
                     _constructing_rank.reset(token)

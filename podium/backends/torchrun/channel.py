@@ -69,6 +69,8 @@ _QUIET = 0.05
 _WARN_EVERY = 60.0
 # The longest a tick reads queued messages before it judges heartbeats.
 _DRAIN_MAX = 0.5
+# The most messages read after one poll before the other sockets get a look.
+_RECV_BATCH = 64
 
 OnMessage = Callable[[bytes, bytes, list[Any]], None]
 OnTick = Callable[[float], None]
@@ -461,7 +463,13 @@ class ControlChannel:
     def _handle(self, events: list[tuple[Any, int]]) -> None:
         for item, _ in events:
             if item is self._router:
-                self._recv_one()
+                # Everything queued now (replies of a call arrive together), a
+                # bounded number, without polling again for each.
+                router = self._router
+                for _ in range(_RECV_BATCH):
+                    self._recv_one()
+                    if not router.get(_EVENTS) & _POLLIN:
+                        break
             elif item == self._wake_r:
                 try:
                     os.read(self._wake_r, 4096)

@@ -152,6 +152,10 @@ def encode(obj: Any) -> Encoded:
     return Encoded(header, views, sum(v.nbytes for v in views))
 
 
+# How a successful ``None`` outcome travels (what ``place`` gives for it).
+OK_NONE = ("o", None)
+
+
 def place(enc: Encoded, pool: SegmentPool | None) -> tuple[tuple[Any, ...], list[Any]]:
     """How ``enc`` travels to one peer: a descriptor for ``meta`` and its frames.
 

@@ -312,13 +312,16 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
     control = _control
 
     def reply(kind: bytes, key: Any, outcome: Outcome, target: str) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if outcome.ok and outcome.value is None:  # most replies: nothing to encode
+            sock.send(wire.head(kind, (key, wire.OK_NONE, segments.take_releases())))
+            return
         try:
             enc = wire.encode(outcome)
         except Exception as exc:  # the user's return value does not pickle
             enc = wire.encode(crossing_failure(exc, rank, target, RESULT_NOT_SENT))
         desc, frames = wire.place(enc, pool)
-        sys.stdout.flush()
-        sys.stderr.flush()
         send_frames(sock, [wire.head(kind, (key, desc, segments.take_releases())), *frames])
         wire.done_placing(enc, pool)
 
@@ -403,7 +406,7 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
                 continue
             if kind == wire.CALL:
                 call_id, target, descs, arg_index, kw_index, freed = meta
-                if pool is not None:
+                if freed and pool is not None:
                     pool.release(freed)
                 if control.skip(call_id):
                     # Cancelled before it started, or the group stops: the
