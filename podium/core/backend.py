@@ -15,12 +15,14 @@ Nothing in podium changes to add a backend.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 import json
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -42,8 +44,10 @@ __all__ = [
     "GroupSpec",
     "RankCall",
     "available_backends",
+    "joining_rows",
     "load_backend",
     "resolve_backend",
+    "rows_joined",
 ]
 
 ENTRY_POINT_GROUP = "podium.backends"
@@ -129,6 +133,34 @@ class RankCall:
     rank: int
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+
+
+_rows_joined: contextvars.ContextVar[bool] = contextvars.ContextVar("podium_rows_joined", default=False)
+
+
+def rows_joined() -> bool:
+    """Whether the results being waited for now are only read by a row-wise join.
+
+    True while a :class:`~podium.WorkerGroup` waits for the outputs of a
+    blocking DP call whose collect concatenates two or more ``DataProto`` s:
+    the collect copies every row of their batches into new tensors, and the
+    outputs themselves never reach the user. A backend whose results arrive in
+    memory it would otherwise copy to make it private and writable (the Ray
+    object store) may then hand batch tensors over that memory as they are.
+    Anything else a result holds -- ``meta_info``, ``non_tensor_batch``, a
+    value that is not a ``DataProto`` -- must still be made private.
+    """
+    return _rows_joined.get()
+
+
+@contextlib.contextmanager
+def joining_rows() -> Iterator[None]:
+    """The context :func:`rows_joined` reports (entered by the caller that joins the rows)."""
+    token = _rows_joined.set(True)
+    try:
+        yield
+    finally:
+        _rows_joined.reset(token)
 
 
 class BackendGroup(ABC):

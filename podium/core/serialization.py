@@ -7,11 +7,15 @@ gets ``(header, buffers)`` from :func:`dumps` and can send the buffers as they
 are -- ZeroMQ frames, Ray object-store numpy arrays, shared memory -- without
 ``torch.save`` and without copying. :func:`loads` rebuilds tensors on top of the
 received buffers; a read-only buffer (an immutable object-store page) is copied
-once so the tensor is safe to write.
+once so the tensor is safe to write -- unless the decoder passes it in
+``shared_buffers`` (memory it knows no other reader sees, for tensors that are
+copied at once anyway).
 """
 
 from __future__ import annotations
 
+import contextvars
+import ctypes
 import io
 import os
 import pickle
@@ -32,6 +36,12 @@ __all__ = ["copy_via_pickle", "dumps", "dumps_in_process", "ensure_importable_by
 Buffer = Any  # anything exposing the buffer protocol (memoryview, PickleBuffer, zmq.Frame, ndarray)
 
 
+# Read-only buffers that loads() may build tensors on as they are (see loads).
+_kept_read_only: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "podium_kept_read_only", default=frozenset()
+)
+
+
 def _rebuild_tensor(data: Buffer, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     if isinstance(data, pickle.PickleBuffer):
         view = data.raw()
@@ -39,14 +49,17 @@ def _rebuild_tensor(data: Buffer, dtype: torch.dtype, shape: tuple[int, ...]) ->
         view = memoryview(data).cast("B")
     if view.nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    if view.readonly:
-        # Writing to an immutable page (an object store, a bytes object) would
-        # crash; one copy makes the tensor an ordinary writable one. numpy
-        # allocates large blocks on transparent huge pages, which makes this
-        # copy several times faster than a bytearray's.
-        flat = torch.from_numpy(np.frombuffer(view, dtype=np.uint8).copy())
-    else:
+    if not view.readonly:
         flat = torch.frombuffer(view, dtype=torch.uint8)
+    elif (kept := _kept_read_only.get()) and _address(view) in kept:
+        flat = torch.frombuffer(_alias(view), dtype=torch.uint8)
+    else:
+        # Writing there would change what other readers see (an object in an
+        # object store) or crash (a bytes object); one copy makes the tensor
+        # an ordinary private one. numpy allocates large blocks on transparent
+        # huge pages, which makes this copy several times faster than a
+        # bytearray's.
+        flat = torch.from_numpy(np.frombuffer(view, dtype=np.uint8).copy())
     return flat.view(dtype).reshape(shape)
 
 
@@ -105,9 +118,33 @@ def dumps(obj: Any, *, out_of_band: bool = True) -> tuple[bytes, list[pickle.Pic
     return stream.getvalue(), buffers
 
 
-def loads(header: Buffer, buffers: Sequence[Buffer] = ()) -> Any:
-    """Inverse of :func:`dumps`; tensors share memory with writable ``buffers``."""
-    return pickle.loads(header, buffers=buffers)
+def loads(header: Buffer, buffers: Sequence[Buffer] = (), *, shared_buffers: Sequence[np.ndarray] = ()) -> Any:
+    """Inverse of :func:`dumps`; tensors share memory with writable ``buffers``.
+
+    Tensors on a read-only buffer get a copy of it, except on the read-only
+    arrays in ``shared_buffers``, which they use as they are (the caller
+    vouches that writing there harms nobody, or that the tensors are copied
+    before anyone can write).
+    """
+    if not shared_buffers:
+        return pickle.loads(header, buffers=buffers)
+    token = _kept_read_only.set(frozenset(a.__array_interface__["data"][0] for a in shared_buffers))
+    try:
+        return pickle.loads(header, buffers=buffers)
+    finally:
+        _kept_read_only.reset(token)
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0])
+
+
+def _alias(view: memoryview) -> Any:
+    """A buffer over the memory of read-only ``view`` that torch takes as it is (it
+    warns of a read-only one); it keeps ``view``, and so that memory, alive."""
+    alias = (ctypes.c_uint8 * view.nbytes).from_address(_address(view))
+    alias.owner = view  # type: ignore[attr-defined]
+    return alias
 
 
 def dumps_in_process(obj: Any) -> tuple[bytes, list[np.ndarray]]:

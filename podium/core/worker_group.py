@@ -21,6 +21,7 @@ from podium.core.backend import (
     BackendGroup,
     GroupSpec,
     RankCall,
+    joining_rows,
     resolve_backend,
 )
 from podium.core.batching import unpad
@@ -288,10 +289,20 @@ class WorkerGroup:
                 return DataProtoFuture(self._future_collect(mode, pad), futures)
             return futures
         # Rows padded in the workers (a future's shards) come back with the outputs.
-        outputs, worker_pad = strip_pads(get(futures, timeout))
+        if spec.output != "ref" and self._joins_rows(mode, len(futures)):
+            with joining_rows():  # the collect copies the rows (see rows_joined)
+                outputs, worker_pad = strip_pads(get(futures, timeout))
+        else:
+            outputs, worker_pad = strip_pads(get(futures, timeout))
         if spec.output == "ref":  # each rank kept its output: one-shard BatchRefs, collected as data
             outputs = adopt(outputs, self._group, self.name_prefix, spec.row_meta, name)
         return unpad(mode.collect_fn(self, outputs), pad or worker_pad)
+
+    def _joins_rows(self, mode: DispatchMode, ranks: int) -> bool:
+        """Whether ``mode``'s collect concatenates the outputs of two or more ranks into new rows."""
+        if mode.mesh_name is not None:
+            return len(self.mesh_layout(mode.mesh_name).collect_ranks) >= 2
+        return mode.collect_fn is collect_dp_compute_data_proto and ranks >= 2
 
     def _future_collect(self, mode: DispatchMode, pad: int) -> Callable[[list[Any]], Any]:
         if mode.mesh_name is not None:

@@ -115,3 +115,73 @@ def test_consumer_rows_across_producers_are_one_writable_batch_in_order() -> Non
         assert torch.equal(ref.materialize().batch["x"], batch(10).batch["x"])
         assert torch.equal(ref[3:7].materialize().batch["k"], torch.arange(3, 7))
         ref.release(wait=True)
+
+
+# -- results a collect joins ------------------------------------------------------
+
+COLS = 2048  # a rank's 256 rows of float32: 2 MiB, above wire.SHARED_MIN
+
+
+class Results(Worker):
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def double(self, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"y": data.batch["x"] * 2})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def with_metrics(self, data: DataProto) -> DataProto:
+        y = data.batch["x"] * 2
+        # The same tensor in the batch and in meta_info, which the collect passes on.
+        return DataProto.from_dict({"y": y}, meta_info={"metrics": {"y": y}})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def big(self) -> torch.Tensor:
+        return torch.ones(256, COLS)
+
+
+def in_object_store(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory lies in Ray's object store (its shared mapping in this process)."""
+    address = t.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return len(fields) > 5 and "plasma" in fields[5]
+    return False
+
+
+def test_a_collect_copies_large_results_once_and_hands_out_private_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import podium.core.protocol as protocol
+
+    joined: list[list[bool]] = []
+
+    def record(parts: list[torch.Tensor]) -> None:
+        joined.append([in_object_store(p) for p in parts])
+        return None  # cat_rows joins them as usual
+
+    monkeypatch.setattr(protocol, "_row_joiners", [record])
+    x = torch.arange(512 * COLS, dtype=torch.float32).reshape(512, COLS)
+    with WorkerGroup(ResourcePool([2], use_gpu=False), ClassWithInitArgs(Results), backend="ray") as wg:
+        out = wg.double(DataProto.from_dict({"x": x}))
+        # The ranks' results reached the join in the object store: its copy was the only one.
+        assert joined == [[True, True]]
+        assert torch.equal(out.batch["y"], x * 2)
+        assert not in_object_store(out.batch["y"])
+        out.batch["y"] += 1  # the user's own memory
+        assert torch.equal(wg.double(DataProto.from_dict({"x": x})).batch["y"], x * 2)
+
+        # A tensor that meta_info holds too would leave with the result: all is copied.
+        joined.clear()
+        out = wg.with_metrics(DataProto.from_dict({"x": x}))
+        assert joined == [[False, False]]
+        parts = out.meta_info["metrics"]["y"]
+        assert [torch.equal(p, x[i * 256 : (i + 1) * 256] * 2) for i, p in enumerate(parts)] == [True, True]
+        assert not any(in_object_store(p) for p in parts)
+        assert not in_object_store(out.batch["y"])
+
+        # A result the user receives as it is (no join) is private memory.
+        values = wg.big()
+        assert [in_object_store(v) for v in values] == [False, False]
+        assert all(torch.equal(v, torch.ones(256, COLS)) for v in values)

@@ -16,11 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import ray
+import torch
 from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError, TaskCancelledError
 
 from podium.backends.ray import wire
+from podium.core.backend import rows_joined
+from podium.core.dispatch import PaddedResult
 from podium.core.futures import RankFuture
 from podium.core.host import Outcome, RemoteFailure
+from podium.core.protocol import DataProto, leaves
 from podium.errors import CallTimeoutError, GroupShutdownError, PodiumError, WorkerDiedError
 
 if TYPE_CHECKING:
@@ -164,10 +168,21 @@ _decoder: ThreadPoolExecutor | None = None
 _decoder_lock = threading.Lock()
 
 
-def _decode_result(payload: Any, rank: int, method: str) -> Outcome:
+def _decode_result(payload: Any, rank: int, method: str, joined: bool = False) -> Outcome:
     """A rank's outcome; a return value that fails to unpickle here fails the call, with its
-    rank and method, as it would have in the worker (the group stays usable)."""
+    rank and method, as it would have in the worker (the group stays usable).
+
+    ``joined``: only a row-wise join reads the result (see ``rows_joined``);
+    its batch tensors may stay in the object store, for the join to copy once.
+    """
     try:
+        if joined and payload is not None:
+            shared = wire.shareable(payload)
+            if shared:
+                outcome = wire.decode(payload, rows_joined=True)
+                if _only_under_rows(outcome, shared):
+                    return outcome
+                # Something other than the batch rows sits on that memory: copy it all.
         return decode_outcome(payload)
     except Exception as exc:
         failure = RemoteFailure.capture(exc, rank, method)
@@ -178,8 +193,38 @@ def _decode_result(payload: Any, rank: int, method: str) -> Outcome:
         return Outcome(False, failure)
 
 
+def _only_under_rows(outcome: Outcome, shared: list[Any]) -> bool:
+    """Whether the object-store buffers ``shared`` lie only under the batch tensors of a
+    ``DataProto`` result -- which the collect copies, so nothing else can read or write them."""
+    value = outcome.value
+    if isinstance(value, PaddedResult):
+        value = value.value
+    if not outcome.ok or type(value) is not DataProto or value.batch is None:
+        return False
+    addresses = {int(a.__array_interface__["data"][0]) for a in shared}
+    under_rows = {
+        t.untyped_storage().data_ptr() for t in leaves(value.batch).values() if type(t) is torch.Tensor
+    }
+    return addresses <= under_rows and not _tensor_on(value.meta_info, addresses)
+
+
+def _tensor_on(obj: Any, addresses: set[int], depth: int = 0) -> bool:
+    """Whether ``obj`` (through dicts, lists and tuples) holds a tensor on one of ``addresses``
+    (a batch tensor that ``meta_info`` names too, which the collect would pass on)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage().data_ptr() in addresses
+    if depth > 8:
+        return False
+    if isinstance(obj, dict):
+        return any(_tensor_on(v, addresses, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_tensor_on(v, addresses, depth + 1) for v in obj)
+    return False
+
+
 def _decode_all(futures: list[RayRankFuture], payloads: list[Any]) -> list[Outcome]:
-    args = [(p, f.rank, f.method) for f, p in zip(futures, payloads)]
+    joined = rows_joined()  # read here: the decoder's threads do not see this context
+    args = [(p, f.rank, f.method, joined) for f, p in zip(futures, payloads)]
     if len(payloads) < 2 or sum(wire.payload_nbytes(p) for p in payloads) < _PARALLEL_DECODE_BYTES:
         return [_decode_result(*a) for a in args]
     global _decoder

@@ -15,9 +15,11 @@ call, which Ray then moves as plain bytes.
   receiving worker as a borrower and keeps the objects alive for it. Inside
   the header a future is only an index into ``refs``.
 
-Object-store pages are read-only. :func:`decode` copies such a buffer once into
-writable memory, so tensors and numpy arrays the user receives behave as
-ordinary writable ones (as on every other backend).
+Object-store pages are shared with every reader of the object. :func:`decode`
+copies such a buffer once into private memory, so tensors and numpy arrays the
+user receives behave as ordinary writable ones (as on every other backend). A
+result whose batch rows only a collect reads (:func:`podium.core.backend.rows_joined`)
+may keep its large buffers in the store: the collect's copy is then the only one.
 """
 
 from __future__ import annotations
@@ -29,10 +31,14 @@ import numpy as np
 
 from podium.core.serialization import dumps, loads
 
-__all__ = ["Shared", "decode", "encode", "payload_nbytes"]
+__all__ = ["SHARED_MIN", "Shared", "decode", "encode", "payload_nbytes", "shareable"]
 
 # bytes, or (header: bytes, buffers: list[np.ndarray], refs: list[ray.ObjectRef])
 Payload = Any
+
+# Object-store buffers at least this large are left in the store for a result
+# whose rows a collect copies (smaller ones are copied: it costs little).
+SHARED_MIN = 1 << 20
 
 # ObjectRefs of the futures met while pickling / the refs that arrived with a payload.
 _outgoing_refs: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
@@ -57,18 +63,29 @@ def encode(obj: Any) -> Payload:
     return (header, arrays, refs)
 
 
-def decode(payload: Payload) -> Any:
+def decode(payload: Payload, *, rows_joined: bool = False) -> Any:
+    """The value of ``payload``, in private memory; with ``rows_joined``, tensors on its
+    :func:`shareable` buffers stay in the object store (the caller copies them)."""
     if isinstance(payload, bytes):
         return loads(payload)
     header, arrays, refs = payload
+    shared = shareable(payload) if rows_joined else []
+    keep = {id(a) for a in shared}
     # np.array: numpy allocates large blocks with transparent huge pages where the
     # kernel allows (madvise), which makes this copy ~4x faster than bytearray's.
-    buffers = [a if a.flags.writeable else np.array(a) for a in arrays]
+    buffers = [a if a.flags.writeable or id(a) in keep else np.array(a) for a in arrays]
     token = _incoming_refs.set(list(refs))
     try:
-        return loads(header, buffers)
+        return loads(header, buffers, shared_buffers=shared)
     finally:
         _incoming_refs.reset(token)
+
+
+def shareable(payload: Payload) -> list[np.ndarray]:
+    """The buffers of ``payload`` that ``decode(payload, rows_joined=True)`` leaves in the store."""
+    if isinstance(payload, bytes):
+        return []
+    return [a for a in payload[1] if not a.flags.writeable and a.nbytes >= SHARED_MIN]
 
 
 def payload_nbytes(payload: Payload) -> int:
