@@ -27,7 +27,7 @@ class Sizes:
     data_workers: int = 4
     data_mib: tuple[int, ...] = (1, 16, 64, 256)
     ndmesh_mib: int = 16
-    chain_mib: int = 64
+    chain_mib: int = 256  # the data-plane measure: a 256 MiB batch
     chain_rounds: int = 7
     fsdp_world_size: int = 2
     fsdp_steps: int = 6

@@ -18,7 +18,7 @@ TITLES = {
     ),
     "start_s": ("Group start, cold: nothing to the first call returning, s (4 workers)", ""),
     "ndmesh_bytes_ratio": ("nd-mesh dp=2 x tp=2: bytes serialized per call / batch bytes", ""),
-    "chain_gb_s": ("Chain A(2) -> B(3) -> C(2), payload GB/s, via", ""),
+    "chain_gb_s": ("Chain A(2) -> B(3) -> C(2) of a 256 MiB batch (1 MiB with --quick), payload GB/s, via", ""),
     "chain_controller_bytes_pct": (
         "Chain: controller bytes for a `BatchRef` call, % of payload",
         "",
