@@ -7,6 +7,7 @@ outputs into one result). Everything here is the same for every backend.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import warnings
@@ -289,10 +290,8 @@ class WorkerGroup:
                 return DataProtoFuture(self._future_collect(mode, pad), futures)
             return futures
         # Rows padded in the workers (a future's shards) come back with the outputs.
-        if spec.output != "ref" and self._joins_rows(mode, len(futures)):
-            with joining_rows():  # the collect copies the rows (see rows_joined)
-                outputs, worker_pad = strip_pads(get(futures, timeout))
-        else:
+        joined = spec.output != "ref" and self._joins_rows(mode, len(futures))
+        with joining_rows() if joined else contextlib.nullcontext():  # see rows_joined
             outputs, worker_pad = strip_pads(get(futures, timeout))
         if spec.output == "ref":  # each rank kept its output: one-shard BatchRefs, collected as data
             outputs = adopt(outputs, self._group, self.name_prefix, spec.row_meta, name)

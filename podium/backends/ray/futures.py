@@ -179,7 +179,7 @@ def _decode_result(payload: Any, rank: int, method: str, joined: bool = False) -
         if joined and payload is not None:
             shared = wire.shareable(payload)
             if shared:
-                outcome = wire.decode(payload, rows_joined=True)
+                outcome = wire.decode(payload, keep=shared)
                 if _only_under_rows(outcome, shared):
                     return outcome
                 # Something other than the batch rows sits on that memory: copy it all.

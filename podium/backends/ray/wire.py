@@ -25,6 +25,7 @@ may keep its large buffers in the store: the collect's copy is then the only one
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -63,26 +64,25 @@ def encode(obj: Any) -> Payload:
     return (header, arrays, refs)
 
 
-def decode(payload: Payload, *, rows_joined: bool = False) -> Any:
-    """The value of ``payload``, in private memory; with ``rows_joined``, tensors on its
-    :func:`shareable` buffers stay in the object store (the caller copies them)."""
+def decode(payload: Payload, *, keep: Sequence[np.ndarray] = ()) -> Any:
+    """The value of ``payload``, in private memory; tensors on the buffers in ``keep``
+    (some of its :func:`shareable` ones) stay in the object store (the caller copies them)."""
     if isinstance(payload, bytes):
         return loads(payload)
     header, arrays, refs = payload
-    shared = shareable(payload) if rows_joined else []
-    keep = {id(a) for a in shared}
+    kept = {id(a) for a in keep}
     # np.array: numpy allocates large blocks with transparent huge pages where the
     # kernel allows (madvise), which makes this copy ~4x faster than bytearray's.
-    buffers = [a if a.flags.writeable or id(a) in keep else np.array(a) for a in arrays]
+    buffers = [a if a.flags.writeable or id(a) in kept else np.array(a) for a in arrays]
     token = _incoming_refs.set(list(refs))
     try:
-        return loads(header, buffers, shared_buffers=shared)
+        return loads(header, buffers, shared_buffers=keep)
     finally:
         _incoming_refs.reset(token)
 
 
 def shareable(payload: Payload) -> list[np.ndarray]:
-    """The buffers of ``payload`` that ``decode(payload, rows_joined=True)`` leaves in the store."""
+    """The buffers of ``payload`` large enough to leave in the store (``decode(..., keep=)``)."""
     if isinstance(payload, bytes):
         return []
     return [a for a in payload[1] if not a.flags.writeable and a.nbytes >= SHARED_MIN]
