@@ -265,6 +265,39 @@ def _processes_with(marker: str) -> list[int]:
     return found
 
 
+def _start_time(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot): with its pid, names it uniquely."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """Every live process below ``root``, as pid -> start time. Unlike an environment
+    mark this finds a process that rewrote its environment (a process title does)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found: dict[int, str] = {}
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        started = _start_time(pid)
+        if started is not None:
+            found[pid] = started
+        todo.extend(children.get(pid, []))
+    return found
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds processes through /proc")
 def test_nothing_outlives_a_killed_controller(tmp_path: Path) -> None:
     marker = f"PODIUM_TEST_CONTROLLER={uuid.uuid4().hex}"
@@ -289,14 +322,23 @@ def test_nothing_outlives_a_killed_controller(tmp_path: Path) -> None:
         ranks = [int(p) for p in pids]
         started = _processes_with(marker)
         assert set(ranks) < set(started)  # and the controller, Ray's own processes
+        # Ray's agents start with the raylet, a little after ray.init returns.
+        time.sleep(3)
+        tree = _descendants(proc.pid)
+        assert len(tree) > len(ranks)
     finally:
         proc.kill()
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
-    # The ranks go within seconds; Ray's own daemons (its dashboard agent polls for its
-    # raylet) may take longer on a loaded machine, but they go too.
-    assert eventually(lambda: not set(ranks) & set(_processes_with(marker)), timeout=15)
-    assert eventually(lambda: _processes_with(marker) == [], timeout=60), [
-        Path(f"/proc/{pid}/cmdline").read_bytes()[:60] for pid in _processes_with(marker)
+    # All of it goes within seconds: the ranks, and Ray's own daemons -- its agents too,
+    # which on their own poll for their dead raylet and GCS for about a minute.
+    def left() -> list[int]:
+        return [p for p, t in tree.items() if _start_time(p) == t] + [
+            p for p in _processes_with(marker) if p not in tree
+        ]
+
+    assert eventually(lambda: not set(ranks) & set(left()), timeout=15)
+    assert eventually(lambda: left() == [], timeout=20), [
+        Path(f"/proc/{pid}/cmdline").read_bytes()[:60] for pid in left()
     ]
