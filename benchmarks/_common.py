@@ -30,7 +30,8 @@ class Sizes:
     chain_mib: int = 256  # the data-plane measure: a 256 MiB batch
     chain_rounds: int = 7
     fsdp_world_size: int = 2
-    fsdp_steps: int = 6
+    # 12 timed steps: with 4, one slow step on a shared machine moved a run's figure by 10%.
+    fsdp_steps: int = 14
     fsdp_warmup: int = 2
     fsdp_model: tuple[str, ...] = ("--layers", "4", "--model-dim", "192", "--heads", "6")
     measures: tuple[str, ...] = field(default=())
