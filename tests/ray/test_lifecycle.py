@@ -265,14 +265,19 @@ def _processes_with(marker: str) -> list[int]:
     return found
 
 
-def _start_time(pid: int) -> str | None:
-    """A process's start time (clock ticks since boot): with its pid, names it uniquely."""
+def _stat(pid: int | str) -> list[str]:
+    """``/proc/<pid>/stat`` from its third field (the state) on; [] once the process is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+            return f.read().rsplit(")", 1)[1].split()
     except OSError:
-        return None
-    return None if fields[0] == "Z" else fields[19]
+        return []
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot): with its pid, names it uniquely."""
+    fields = _stat(pid)
+    return fields[19] if fields and fields[0] != "Z" else None
 
 
 def _descendants(root: int) -> dict[int, str]:
@@ -280,13 +285,8 @@ def _descendants(root: int) -> dict[int, str]:
     mark this finds a process that rewrote its environment (a process title does)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
+        if entry.isdigit() and (fields := _stat(entry)):
+            children.setdefault(int(fields[1]), []).append(int(entry))
     found: dict[int, str] = {}
     todo = list(children.get(root, []))
     while todo:
