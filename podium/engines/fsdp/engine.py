@@ -12,9 +12,11 @@ is split over ranks and micro-batches.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,13 @@ from podium.engines.fsdp.sampling import per_sample_uniforms, sample_tokens
 __all__ = ["FSDPEngine", "init_distributed"]
 
 _META_FILE = "podium_engine.json"
+
+# The engines of this process that are open, and whether the process group one of
+# them created waits for the last of them to close before it is destroyed.
+_open_engines: set[int] = set()
+_group_to_destroy = False
+# What close() frees: the model and everything that holds its device mesh.
+_CLOSED_ATTRS = frozenset({"model", "optimizer", "mesh", "dp_mesh", "dp_group"})
 
 
 def init_distributed(device: str = "auto") -> tuple[str, bool]:
@@ -112,6 +121,13 @@ class FSDPEngine:
         else:
             self.model.requires_grad_(False)
         self.step = 0
+        _open_engines.add(id(self))
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes that are not set: the ones close() freed.
+        if name in _CLOSED_ATTRS:
+            raise RuntimeError(f"this engine was closed: it has no {name} any more")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- building --------------------------------------------------------------
 
@@ -371,7 +387,63 @@ class FSDPEngine:
         return self.step
 
     def close(self) -> None:
-        """Leave the process group if this engine created it."""
-        if self.owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
+        """Free the model; the last engine of the process to close destroys the process group
+        one of them created.
+
+        The group must really go while Python still runs: gloo's threads are joined when
+        the last reference to the group goes, and a group that lives on to interpreter
+        exit can abort the process there ("terminate called without an active
+        exception"). FSDP's device meshes hold the groups, and DTensor's sharding caches
+        hold the meshes, so those caches are emptied too (they refill on the next use).
+        """
+        global _group_to_destroy
+        if id(self) not in _open_engines:
+            return
+        _open_engines.discard(id(self))
+        for name in _CLOSED_ATTRS:
+            self.__dict__.pop(name, None)
+        _group_to_destroy = _group_to_destroy or self.owns_process_group
         self.owns_process_group = False
+        _clear_dtensor_caches()
+        gc.collect()
+        if _group_to_destroy and not _open_engines:
+            _group_to_destroy = False
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _clear_dtensor_caches() -> None:
+    """Empty DTensor's caches, which keep the device mesh of every DTensor op and
+    redistribution run so far, and through the meshes their process groups.
+
+    The caches are private to torch and change between releases, so every function cache
+    of the ``torch.distributed.tensor`` modules (and of their classes) is cleared, and the
+    redistribution planners and the native sharding cache by their own calls. The caches
+    refill on the next use; clearing them only costs that.
+    """
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed.tensor"):
+            continue
+        for value in list(vars(module).values()):
+            members = vars(value).values() if isinstance(value, type) else (value,)
+            for member in members:
+                member = getattr(member, "__func__", member)  # a cached staticmethod
+                clear = getattr(member, "cache_clear", None)
+                if callable(clear):
+                    clear()
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    for cache in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        clear = getattr(getattr(propagator, cache, None), "cache_clear", None)
+        if clear is not None:
+            clear()
+    planners = sys.modules.get("torch.distributed.tensor._redistribute")
+    clear_planners = getattr(planners, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:
+        clear_planners()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
