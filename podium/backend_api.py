@@ -98,6 +98,9 @@ Lifetime and threads
     runs each rank's ``Worker.shutdown()`` hook through ``WorkerHost.close``,
     waits a bounded time, then kills: afterwards no process, actor or port
     of the group is left. Calls in flight raise :class:`GroupShutdownError`.
+    A rank that is a process of its own calls :func:`release_process_groups`
+    after ``WorkerHost.close`` and before it exits, so that a process group
+    the user left does not abort the process in Python's teardown.
 17. A group dropped without ``shutdown()`` is shut down by a finalizer of its
     :class:`podium.WorkerGroup` (at garbage collection or interpreter exit),
     from any thread: ``shutdown`` must not need the controller's main thread.
@@ -142,6 +145,7 @@ from podium.core.host import (
     crossing_failure,
     is_async_target,
     max_async_calls,
+    release_process_groups,
 )
 from podium.core.resource import ResourcePool
 from podium.core.serialization import dumps, loads
@@ -186,6 +190,7 @@ __all__ = [
     "loads",
     "max_async_calls",
     "rank_infos",
+    "release_process_groups",
 ]
 
 

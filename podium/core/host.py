@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import gc
 import inspect
 import sys
 import threading
@@ -43,10 +44,12 @@ __all__ = [
     "Outcome",
     "RemoteFailure",
     "WorkerHost",
+    "clear_dtensor_caches",
     "crossing_failure",
     "has_async_methods",
     "is_async_target",
     "max_async_calls",
+    "release_process_groups",
     "split_target",
 ]
 
@@ -310,6 +313,67 @@ class WorkerHost:
         self._stop_loop()
         self.shards.close()
         return failure
+
+
+def release_process_groups() -> str | None:
+    """Free what is left of ``torch.distributed`` in a rank process that is about to exit.
+
+    Process backends call it after the worker's ``shutdown()`` hook (the inline
+    backend does not: its ranks share the controller's process). A process group
+    that lives on to interpreter exit -- never destroyed, or destroyed while FSDP's
+    device meshes in DTensor's caches still hold it -- takes its gloo threads into
+    Python's teardown, where one that touches a tensor aborts the process
+    ("terminate called without an active exception"). So the caches are emptied
+    and the default group, if the user left it, is destroyed now. Returns what
+    went wrong, for the backend to log; never raises.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return None
+    try:
+        clear_dtensor_caches()
+        gc.collect()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def clear_dtensor_caches() -> None:
+    """Empty DTensor's caches, which keep the device mesh of every DTensor op and
+    redistribution run so far, and through the meshes their process groups.
+
+    The caches are private to torch and change between releases, so every function cache
+    of the ``torch.distributed.tensor`` modules (and of their classes) is cleared, and the
+    redistribution planners and the native sharding cache by their own calls. The caches
+    refill on the next use; clearing them only costs that.
+    """
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed.tensor"):
+            continue
+        for value in list(vars(module).values()):
+            members = vars(value).values() if isinstance(value, type) else (value,)
+            for member in members:
+                member = getattr(member, "__func__", member)  # a cached staticmethod
+                clear = getattr(member, "cache_clear", None)
+                if callable(clear):
+                    clear()
+    api = sys.modules.get("torch.distributed.tensor._api")
+    dtensor = getattr(api, "DTensor", None)
+    propagator = getattr(getattr(dtensor, "_op_dispatcher", None), "sharding_propagator", None)
+    for cache in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        clear = getattr(getattr(propagator, cache, None), "cache_clear", None)
+        if clear is not None:
+            clear()
+    planners = sys.modules.get("torch.distributed.tensor._redistribute")
+    clear_planners = getattr(planners, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:
+        clear_planners()
+    torch = sys.modules.get("torch")
+    clear_native = getattr(getattr(torch, "_C", None), "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
 
 
 def _chain(task: asyncio.Future[Any], ready: concurrent.futures.Future[Any]) -> None:

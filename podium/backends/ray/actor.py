@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from podium.backends.ray import wire
-from podium.core.host import Outcome, RemoteFailure, WorkerHost
+from podium.core.host import Outcome, RemoteFailure, WorkerHost, release_process_groups
 from podium.core.worker import RankInfo
 
 __all__ = ["ASYNC_GROUP", "actor_class", "method_name"]
@@ -139,6 +139,13 @@ class _RankActor:
                     file=sys.stderr,
                     flush=True,
                 )
+        left = release_process_groups()  # before Python's teardown: see there
+        if left is not None:
+            print(
+                f"podium: rank {self.rank} could not destroy its process group: {left}",
+                file=sys.stderr,
+                flush=True,
+            )
         ray.actor.exit_actor()
 
 

@@ -286,6 +286,7 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
         crossing_failure,
         is_async_target,
         max_async_calls,
+        release_process_groups,
     )
     from podium.core.worker import RankInfo
 
@@ -470,6 +471,9 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
                 sys.stderr.write(
                     f"podium: the worker's shutdown() hook on rank {rank} failed:\n{failure.traceback}"
                 )
+        left = release_process_groups()  # before Python's teardown: see there
+        if left is not None:
+            sys.stderr.write(f"podium: rank {rank} could not destroy its process group: {left}\n")
         sys.stdout.flush()
         sys.stderr.flush()
         sock.close(linger=1000)

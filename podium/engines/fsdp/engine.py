@@ -16,7 +16,6 @@ import gc
 import json
 import math
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from podium.core.host import clear_dtensor_caches
 from podium.engines.fsdp.config import EngineConfig
 from podium.engines.fsdp.losses import policy_loss_sums
 from podium.engines.fsdp.model import TinyLM, blocks, tensor_parallel_plan
@@ -404,46 +404,10 @@ class FSDPEngine:
             self.__dict__.pop(name, None)
         _group_to_destroy = _group_to_destroy or self.owns_process_group
         self.owns_process_group = False
-        _clear_dtensor_caches()
+        clear_dtensor_caches()
         gc.collect()
         if _group_to_destroy and not _open_engines:
             _group_to_destroy = False
             if dist.is_initialized():
                 dist.destroy_process_group()
 
-
-def _clear_dtensor_caches() -> None:
-    """Empty DTensor's caches, which keep the device mesh of every DTensor op and
-    redistribution run so far, and through the meshes their process groups.
-
-    The caches are private to torch and change between releases, so every function cache
-    of the ``torch.distributed.tensor`` modules (and of their classes) is cleared, and the
-    redistribution planners and the native sharding cache by their own calls. The caches
-    refill on the next use; clearing them only costs that.
-    """
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith("torch.distributed.tensor"):
-            continue
-        for value in list(vars(module).values()):
-            members = vars(value).values() if isinstance(value, type) else (value,)
-            for member in members:
-                member = getattr(member, "__func__", member)  # a cached staticmethod
-                clear = getattr(member, "cache_clear", None)
-                if callable(clear):
-                    clear()
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return
-    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
-    for cache in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-        clear = getattr(getattr(propagator, cache, None), "cache_clear", None)
-        if clear is not None:
-            clear()
-    planners = sys.modules.get("torch.distributed.tensor._redistribute")
-    clear_planners = getattr(planners, "clear_redistribute_planner_cache", None)
-    if clear_planners is not None:
-        clear_planners()
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_native is not None:
-        clear_native()

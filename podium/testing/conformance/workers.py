@@ -343,16 +343,49 @@ def mapped_file(address: int) -> str | None:
 
 class LifecycleWorker(ConformanceWorker):
     """Appends ``shutdown <rank>`` to ``marker`` from its shutdown() hook, and
-    ``atexit <rank>`` from an atexit handler when it runs in its own process."""
+    ``atexit <rank> gloo <n>`` from an atexit handler when it runs in its own
+    process, ``n`` being how many gloo threads the process still has then."""
 
     def __init__(self, marker: str, controller_pid: int) -> None:
         super().__init__()
         self.marker = marker
         if os.getpid() != controller_pid:
-            atexit.register(_append, marker, f"atexit {self.rank}")
+            atexit.register(_append_at_exit, marker, self.rank)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def shard_a_module(self) -> int:
+        """Train one step of a module sharded with FSDP2 over a gloo group it leaves open,
+        as user code does; returns the gloo threads running now."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if not dist.is_initialized():
+            dist.init_process_group(backend="gloo")
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        model = torch.nn.Linear(8, 8)
+        fully_shard(model, mesh=mesh)
+        model(torch.ones(2, 8)).sum().backward()
+        return len(_gloo_threads())
 
     def shutdown(self) -> None:
         _append(self.marker, f"shutdown {self.rank}")
+
+
+def _gloo_threads() -> list[str]:
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return [n for n in names if "gloo" in n]
+
+
+def _append_at_exit(path: str, rank: int) -> None:
+    gloo = len(_gloo_threads()) if os.path.isdir("/proc/self/task") else 0
+    _append(path, f"atexit {rank} gloo {gloo}")
 
 
 def _append(path: str, line: str) -> None:

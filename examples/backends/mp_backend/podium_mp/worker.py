@@ -31,6 +31,7 @@ from podium.backend_api import (
     crossing_failure,
     dumps,
     loads,
+    release_process_groups,
 )
 
 CLOSE = object()
@@ -104,6 +105,9 @@ def main() -> None:
             f"podium-mp rank {info.rank}: shutdown() failed: {failure.to_exception()}",
             file=sys.stderr,
         )
+    left = release_process_groups()  # a process group the user left, before Python's teardown
+    if left is not None:
+        print(f"podium-mp rank {info.rank}: {left}", file=sys.stderr)
     conn.close()
 
 
