@@ -16,6 +16,7 @@ import gc
 import json
 import math
 import os
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,10 @@ __all__ = ["FSDPEngine", "init_distributed"]
 
 _META_FILE = "podium_engine.json"
 
-# The engines of this process that are open, and whether the process group one of
-# them created waits for the last of them to close before it is destroyed.
-_open_engines: set[int] = set()
+# The engines of this process that are open (one dropped unclosed no longer counts),
+# and whether the process group one of them created waits for the last of them to
+# close before it is destroyed.
+_open_engines: weakref.WeakSet[FSDPEngine] = weakref.WeakSet()
 _group_to_destroy = False
 # What close() frees: the model and everything that holds its device mesh.
 _CLOSED_ATTRS = frozenset({"model", "optimizer", "mesh", "dp_mesh", "dp_group"})
@@ -121,7 +123,7 @@ class FSDPEngine:
         else:
             self.model.requires_grad_(False)
         self.step = 0
-        _open_engines.add(id(self))
+        _open_engines.add(self)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes that are not set: the ones close() freed.
@@ -397,9 +399,9 @@ class FSDPEngine:
         hold the meshes, so those caches are emptied too (they refill on the next use).
         """
         global _group_to_destroy
-        if id(self) not in _open_engines:
+        if self not in _open_engines:
             return
-        _open_engines.discard(id(self))
+        _open_engines.discard(self)
         for name in _CLOSED_ATTRS:
             self.__dict__.pop(name, None)
         _group_to_destroy = _group_to_destroy or self.owns_process_group
