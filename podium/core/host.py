@@ -18,6 +18,7 @@ import inspect
 import sys
 import threading
 import traceback
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -353,6 +354,8 @@ def clear_dtensor_caches() -> None:
         if module is None or not name.startswith("torch.distributed.tensor"):
             continue
         for value in list(vars(module).values()):
+            if isinstance(value, types.ModuleType):  # torch.ops namespaces look up any name
+                continue
             members = vars(value).values() if isinstance(value, type) else (value,)
             for member in members:
                 member = getattr(member, "__func__", member)  # a cached staticmethod
