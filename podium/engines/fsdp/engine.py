@@ -412,4 +412,3 @@ class FSDPEngine:
             _group_to_destroy = False
             if dist.is_initialized():
                 dist.destroy_process_group()
-
