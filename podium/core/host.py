@@ -347,7 +347,8 @@ def clear_dtensor_caches() -> None:
 
     The caches are private to torch and change between releases, so every function cache
     of the ``torch.distributed.tensor`` modules (and of their classes) is cleared, and the
-    redistribution planners and the native sharding cache by their own calls. The caches
+    sharding propagator's own cache, the redistribution planners and the native sharding
+    cache by their own calls. The caches
     refill on the next use; clearing them only costs that.
     """
     for name, module in list(sys.modules.items()):
@@ -365,10 +366,9 @@ def clear_dtensor_caches() -> None:
     api = sys.modules.get("torch.distributed.tensor._api")
     dtensor = getattr(api, "DTensor", None)
     propagator = getattr(getattr(dtensor, "_op_dispatcher", None), "sharding_propagator", None)
-    for cache in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-        clear = getattr(getattr(propagator, cache, None), "cache_clear", None)
-        if clear is not None:
-            clear()
+    clear = getattr(getattr(propagator, "propagate_op_sharding", None), "cache_clear", None)
+    if clear is not None:  # a per-instance (and per-thread) cache the scan above cannot see
+        clear()
     planners = sys.modules.get("torch.distributed.tensor._redistribute")
     clear_planners = getattr(planners, "clear_redistribute_planner_cache", None)
     if clear_planners is not None:

@@ -21,13 +21,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
-import os, sys
+import sys
 import torch
 from podium.engines.fsdp import EngineConfig, LMConfig, TrainingWorker
-
-def gloo_threads():
-    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-    return [n for n in names if "gloo" in n]
+from podium.testing.conformance.workers import gloo_threads
 
 cfg = LMConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
 actor = TrainingWorker(EngineConfig(model=cfg, kl_coef=0.1))

@@ -366,13 +366,16 @@ class LifecycleWorker(ConformanceWorker):
         model = torch.nn.Linear(8, 8)
         fully_shard(model, mesh=mesh)
         model(torch.ones(2, 8)).sum().backward()
-        return len(_gloo_threads())
+        return len(gloo_threads())
 
     def shutdown(self) -> None:
         _append(self.marker, f"shutdown {self.rank}")
 
 
-def _gloo_threads() -> list[str]:
+def gloo_threads() -> list[str]:
+    """The names of this process's gloo threads (none where there is no ``/proc``)."""
+    if not os.path.isdir("/proc/self/task"):
+        return []
     names = []
     for task in os.listdir("/proc/self/task"):
         try:
@@ -384,8 +387,7 @@ def _gloo_threads() -> list[str]:
 
 
 def _append_at_exit(path: str, rank: int) -> None:
-    gloo = len(_gloo_threads()) if os.path.isdir("/proc/self/task") else 0
-    _append(path, f"atexit {rank} gloo {gloo}")
+    _append(path, f"atexit {rank} gloo {len(gloo_threads())}")
 
 
 def _append(path: str, line: str) -> None:
