@@ -262,7 +262,8 @@ class WorkerGroup:
     def _call_registered(self, name: str, spec: MethodSpec, *args: Any, **kwargs: Any) -> Any:
         mode = resolve_dispatch_mode(spec.dispatch_mode)
         flush_releases()  # shards whose last BatchRef is gone are freed with the next call
-        args, kwargs = self._resolve_futures(args, kwargs)
+        if args or kwargs:
+            args, kwargs = self._resolve_futures(args, kwargs)
         dispatched = mode.dispatch_fn(self, *args, **kwargs)
         d_args, d_kwargs = dispatched
         pad = pad_of(dispatched)
@@ -290,9 +291,11 @@ class WorkerGroup:
                 return DataProtoFuture(self._future_collect(mode, pad), futures)
             return futures
         # Rows padded in the workers (a future's shards) come back with the outputs.
-        joined = spec.output != "ref" and self._joins_rows(mode, len(futures))
-        with joining_rows() if joined else contextlib.nullcontext():  # see rows_joined
-            outputs, worker_pad = strip_pads(get(futures, timeout))
+        if spec.output != "ref" and self._joins_rows(mode, len(futures)):
+            with joining_rows():  # see rows_joined
+                outputs, worker_pad = strip_pads(_gather(futures, timeout))
+        else:
+            outputs, worker_pad = strip_pads(_gather(futures, timeout))
         if spec.output == "ref":  # each rank kept its output: one-shard BatchRefs, collected as data
             outputs = adopt(outputs, self._group, self.name_prefix, spec.row_meta, name)
         return unpad(mode.collect_fn(self, outputs), pad or worker_pad)
@@ -454,6 +457,15 @@ class _RegisteredCall:
                 "reference to the group while you call its methods"
             )
         return wg._call_registered(self._name, self._spec, *args, **kwargs)
+
+
+def _gather(futures: list[RankFuture], timeout: float | None) -> list[Any]:
+    """``get(futures, timeout)`` for one submission's futures (all of one backend's class)."""
+    if futures:
+        cls = type(futures[0])
+        if all(type(f) is cls for f in futures):
+            return list(cls.gather(futures, timeout))
+    return get(futures, timeout)
 
 
 def _check_timeout(timeout: float | None) -> None:

@@ -560,7 +560,10 @@ class ControlChannel:
                 user,
             )
             return
-        self._safely(self._on_message, identity, head, frames)
+        try:
+            self._on_message(identity, head, frames)
+        except Exception:  # a bug in a handler must not kill the I/O thread
+            log.exception("podium torchrun: error in the control channel's handler")
 
     def _answer_zap(self) -> None:
         answer_zap(self._zap, self._key_rank.get, self._refused)  # User-Id: the key's rank

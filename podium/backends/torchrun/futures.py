@@ -127,6 +127,9 @@ class TorchrunFuture(RankFuture):
                 left = max(0.0, first._deadline - time.monotonic())
                 wait = left if wait is None else min(wait, left)
             first._channel.wait(first._batch.settled, wait)
+            batch = first._batch
+            if batch.left <= 0 and not batch.failed:  # every rank answered, none failed
+                return [f._outcome.value for f in futures]  # type: ignore[attr-defined, union-attr]
         out = []
         for i, fut in enumerate(futures):
             remaining = None if until is None else max(0.0, until - time.monotonic())

@@ -64,6 +64,8 @@ _PAUSED_AFTER = 1.0
 # How long a rank that torchrun stopped waits for the report of what made it
 # do so (another rank's exit or a silent supervisor) before it is blamed itself.
 _ROOT_CAUSE_WAIT = 1.5
+# What a RESULT_NONE reply resolves its future with (outcomes are never changed).
+_RETURNED_NONE = Outcome(True, None)
 # Grace for a worker's shutdown() hook and interpreter exit when the group stops.
 SHUTDOWN_GRACE = 10.0
 
@@ -291,6 +293,13 @@ class TorchrunGroup(BackendGroup):
             raise self._dead
         if getattr(self, "_podium_closed", False):
             raise RuntimeError(f"group {self.spec.name_prefix!r} was shut down")
+        for call in calls:
+            if not 0 <= call.rank < self.world_size:
+                raise ValueError(
+                    f"rank {call.rank} is not in this group (world size {self.world_size})"
+                )
+        if all(not call.args and not call.kwargs for call in calls):
+            return self._submit_bare(target, calls, timeout)
         # Serialize each distinct object once per call, however many ranks get it.
         encoded: dict[int, wire.Encoded] = {}
         keep: list[Any] = []
@@ -301,10 +310,6 @@ class TorchrunGroup(BackendGroup):
         futures: list[RankFuture] = []
         outgoing: list[tuple[_Rank, TorchrunFuture, list[int], list[int], dict[str, int]]] = []
         for call in calls:
-            if not 0 <= call.rank < self.world_size:
-                raise ValueError(
-                    f"rank {call.rank} is not in this group (world size {self.world_size})"
-                )
             state = self._ranks[call.rank]
             objs: list[int] = []  # this rank's distinct objects (ids), in message order
             index: dict[int, int] = {}
@@ -343,6 +348,8 @@ class TorchrunGroup(BackendGroup):
                 if freed:
                     meta = (call_id, target, descs, arg_index, kw_index, freed)
                     head = wire.head(wire.CALL, meta)
+                elif not objs:
+                    head = heads.get(None) or heads.setdefault(None, wire.bare_call(call_id, target))
                 else:
                     head = heads.get(key) or heads.setdefault(
                         key, wire.head(wire.CALL, (call_id, target, descs, arg_index, kw_index, []))
@@ -358,6 +365,37 @@ class TorchrunGroup(BackendGroup):
                 wire.done_placing(enc, self._pool)
         return futures
 
+    def _submit_bare(
+        self, target: str, calls: Sequence[RankCall], timeout: float | None
+    ) -> list[RankFuture]:
+        """:meth:`submit` of a call without arguments: one :data:`.wire.CALL_BARE` head for all."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        call_id = next(self._call_ids)
+        batch = CallBatch(len(calls), call_id, self._expire)
+        bare = wire.bare_call(call_id, target)
+        futures: list[RankFuture] = []
+        ready: list[tuple[bytes, list[Any]]] = []
+        with self._lock:
+            if self._stopping:
+                raise GroupShutdownError(self.spec.name_prefix, method=target)
+            if self._dead is not None:
+                raise self._dead
+            if deadline is not None:
+                heapq.heappush(self._deadlines, (deadline, call_id))
+            for call in calls:
+                state = self._ranks[call.rank]
+                fut = TorchrunFuture(call.rank, target, deadline, timeout, self.channel, batch)
+                state.pending[call_id] = fut
+                futures.append(fut)
+                freed, state.freed = state.freed, []
+                if freed:  # segments of this rank the controller no longer reads
+                    meta = (call_id, target, [], [], {}, freed)
+                    ready.append((state.identity, [wire.head(wire.CALL, meta)]))
+                else:
+                    ready.append((state.identity, [bare]))
+        self.channel.send_many(ready)
+        return futures
+
     # -- the I/O thread's handlers ------------------------------------------------
 
     def _on_message(self, identity: bytes, head: bytes, frames: list[Any]) -> None:
@@ -366,6 +404,13 @@ class TorchrunGroup(BackendGroup):
             return
         state.last_beat = time.monotonic()
         kind = head[:1]
+        if kind == wire.RESULT_NONE:  # most replies
+            with self._lock:
+                fut = state.pending.pop(int.from_bytes(head[1:9], "little"), None)
+            if fut is not None:
+                fut._resolve(_RETURNED_NONE)
+            self._collect_freed(state)
+            return
         if kind == wire.LOG:
             self._print(state, head[1:2], frames[0].bytes)
             return

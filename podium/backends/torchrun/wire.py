@@ -72,6 +72,10 @@ INIT = b"I"  # build the user's worker
 CALL = b"C"  # run one method
 FREE = b"F"  # segments the controller no longer reads
 STOP = b"S"  # exit cleanly
+# The two messages of a call without arguments that returns None (most control
+# calls: init_model, sync, save) in a fixed layout, read without msgpack.
+CALL_BARE = b"c"  # a CALL with no objects and nothing freed: + call id (8 bytes LE) + target (UTF-8)
+RESULT_NONE = b"n"  # worker -> controller: a RESULT of None, nothing released: + call id (8 bytes LE)
 # controller -> supervisor
 PING = b"P"  # the controller is alive
 CANCEL = b"K"  # interrupt a call if it still runs: head is CANCEL + its call id, in ASCII
@@ -101,6 +105,23 @@ def head(kind: bytes, meta: Any = None) -> bytes:
     if meta is None:
         return kind
     return kind + msgpack.packb(meta, use_bin_type=True, unicode_errors="surrogatepass")
+
+
+def bare_call(call_id: int, target: str) -> bytes:
+    """The head of a call with no arguments (:data:`CALL_BARE`)."""
+    return CALL_BARE + call_id.to_bytes(8, "little") + target.encode()
+
+
+def split_bare_call(buf: bytes) -> tuple[int, str]:
+    """``(call id, target)`` of a :data:`CALL_BARE` head."""
+    if len(buf) < 10:
+        raise ValueError(f"malformed {buf[:1]!r} message head: {len(buf)} bytes")
+    return int.from_bytes(buf[1:9], "little"), buf[9:].decode()
+
+
+def result_none(call_id: int) -> bytes:
+    """The head of a reply that says call ``call_id`` returned None (:data:`RESULT_NONE`)."""
+    return RESULT_NONE + call_id.to_bytes(8, "little")
 
 
 def split_head(frame: Any) -> tuple[bytes, Any]:

@@ -316,7 +316,11 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
         sys.stdout.flush()
         sys.stderr.flush()
         if outcome.ok and outcome.value is None:  # most replies: nothing to encode
-            sock.send(wire.head(kind, (key, wire.OK_NONE, segments.take_releases())))
+            released = segments.take_releases()
+            if kind == wire.RESULT and not released:
+                sock.send(wire.result_none(key))
+            else:
+                sock.send(wire.head(kind, (key, wire.OK_NONE, released)))
             return
         try:
             enc = wire.encode(outcome)
@@ -376,7 +380,9 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
             if first.more:
                 msg += sock.recv_multipart(copy=False)
             first = None
-            kind, meta = wire.split_head(msg[0])
+            kind = msg[0][:1]
+            if kind != wire.CALL_BARE:
+                kind, meta = wire.split_head(msg[0])
             if kind == wire.STOP:
                 break
             if kind == wire.FREE:
@@ -405,10 +411,14 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
                 del msg
                 reply(wire.READY, None, outcome, "__init__")
                 continue
-            if kind == wire.CALL:
-                call_id, target, descs, arg_index, kw_index, freed = meta
-                if freed and pool is not None:
-                    pool.release(freed)
+            if kind == wire.CALL or kind == wire.CALL_BARE:
+                if kind == wire.CALL_BARE:
+                    call_id, target = wire.split_bare_call(msg[0])
+                    descs = None
+                else:
+                    call_id, target, descs, arg_index, kw_index, freed = meta
+                    if freed and pool is not None:
+                        pool.release(freed)
                 if control.skip(call_id):
                     # Cancelled before it started, or the group stops: the
                     # controller failed its futures already.
@@ -423,20 +433,24 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
                     continue
                 control.running = call_id
                 try:
-                    del msg[0]  # frames the decoder may drop as it joins them
-                    try:
-                        objs = wire.decode_objects(descs, msg, segments)
-                    except Exception as exc:
-                        objs = None
-                        outcome = crossing_failure(exc, rank, target, ARGUMENT_NOT_LOADED)
-                    del msg
-                    if objs is None:
-                        control.running = None
-                        reply(wire.RESULT, call_id, outcome, target)
-                        continue
-                    args = tuple(objs[i] for i in arg_index)
-                    kwargs = {k: objs[i] for k, i in kw_index.items()}
-                    del objs
+                    if descs is None:  # CALL_BARE
+                        del msg
+                        args, kwargs = (), {}
+                    else:
+                        del msg[0]  # frames the decoder may drop as it joins them
+                        try:
+                            objs = wire.decode_objects(descs, msg, segments)
+                        except Exception as exc:
+                            objs = None
+                            outcome = crossing_failure(exc, rank, target, ARGUMENT_NOT_LOADED)
+                        del msg
+                        if objs is None:
+                            control.running = None
+                            reply(wire.RESULT, call_id, outcome, target)
+                            continue
+                        args = tuple(objs[i] for i in arg_index)
+                        kwargs = {k: objs[i] for k, i in kw_index.items()}
+                        del objs
                     if host is None:
                         raise RuntimeError("the worker was not constructed")
                     is_async = async_targets.get(target)
