@@ -7,7 +7,6 @@ outputs into one result). Everything here is the same for every backend.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import functools
 import warnings

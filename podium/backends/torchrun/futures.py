@@ -129,7 +129,7 @@ class TorchrunFuture(RankFuture):
             first._channel.wait(first._batch.settled, wait)
             batch = first._batch
             if batch.left <= 0 and not batch.failed:  # every rank answered, none failed
-                return [f._outcome.value for f in futures]  # type: ignore[attr-defined, union-attr]
+                return [f._outcome.value for f in futures]  # type: ignore[attr-defined]
         out = []
         for i, fut in enumerate(futures):
             remaining = None if until is None else max(0.0, until - time.monotonic())
