@@ -13,6 +13,7 @@ from podium import ClassWithInitArgs, RemoteError, ResourcePool, Worker, WorkerG
 from podium.backends.torchrun import wire, worker
 from podium.backends.torchrun.backend import TorchrunBackend
 from podium.backends.torchrun.shm import SegmentMap, SegmentPool, tune_malloc, unlink_prefix
+from podium.core.backend import RankCall
 from podium.core.decorator import Dispatch
 from podium.core.host import Outcome
 
@@ -32,7 +33,19 @@ def test_supervisor_kinds_match_the_wire() -> None:
     assert (worker._BEAT, worker._LOG, worker._EXIT) == (wire.BEAT, wire.LOG, wire.EXIT)
     kinds = [wire.HELLO, wire.READY, wire.RESULT, wire.BEAT, wire.LOG, wire.EXIT]
     kinds += [wire.INIT, wire.CALL, wire.FREE, wire.STOP, wire.PING]
+    kinds += [wire.CALL_BARE, wire.RESULT_NONE, wire.CANCEL, wire.QUIT, wire.STALL]
     assert len(set(kinds)) == len(kinds) and all(len(k) == 1 for k in kinds)
+
+
+def test_bare_call_and_none_reply_heads() -> None:
+    # The two fixed layouts that skip msgpack: kind, call id (8 bytes LE), target.
+    for call_id, target in [(0, "noop"), ((1 << 64) - 1, "stép_ünïcode")]:
+        head = wire.bare_call(call_id, target)
+        assert head[:1] == wire.CALL_BARE
+        assert wire.split_bare_call(head) == (call_id, target)
+    assert wire.result_none(5) == wire.RESULT_NONE + (5).to_bytes(8, "little")
+    with pytest.raises(ValueError, match="malformed b'c' message head: 5 bytes"):
+        wire.split_bare_call(wire.bare_call(1, "x")[:5])
 
 
 @pytest.mark.parametrize(
@@ -115,6 +128,18 @@ class TransportWorker(Worker):
         return self.rank
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def big(self) -> torch.Tensor:
+        return torch.full((256, 1024), float(self.rank))  # 1 MiB: through shared memory
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def nothing(self) -> None:
+        return None
+
+    @register(dispatch_mode=Dispatch.ALL_TO_ALL)
+    def count(self, *args: int) -> int:
+        return len(args) * 10 + self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def dynamo_state(self) -> tuple[bool, bool, float]:
         loaded = "torch._dynamo" in sys.modules
         from tensordict.utils import _lock_warn
@@ -170,6 +195,30 @@ def test_waiting_for_some_ranks_does_not_wait_for_the_others(wg: WorkerGroup) ->
     assert get(futures[:1], timeout=30) == [0]
     assert time.monotonic() - start < 2.5
     assert get(futures, timeout=30) == [0, 1]
+
+
+@pytest.mark.timeout(120)
+def test_calls_without_arguments_carry_the_segments_the_controller_freed(wg: WorkerGroup) -> None:
+    # A rank's 1 MiB result lives in its own segment until the controller lets
+    # go. The controller notes the release when the next reply comes in (the
+    # first ``nothing``); the call after that (a CALL_BARE one) hands it back,
+    # so the rank reuses the segment instead of making a new one every round.
+    maps = wg._group._segments._maps
+    for _ in range(15):
+        assert [float(t[0, 0]) for t in wg.big()] == [0.0, 1.0]
+        assert wg.nothing() == [None, None]
+        assert wg.nothing() == [None, None]
+        assert wg._group._ranks[0].freed == [] and wg._group._ranks[1].freed == []
+    assert len([name for name in maps if "-w0-" in name]) <= 3
+
+
+@pytest.mark.timeout(120)
+def test_a_call_with_arguments_for_some_ranks_only(wg: WorkerGroup) -> None:
+    # Ranks without arguments take the bare head while others get theirs.
+    calls = [RankCall(0, (1, 2), {}), RankCall(1, (), {})]
+    assert get(wg._group.submit("count", calls, timeout=30)) == [20, 1]
+    calls = [RankCall(0, (), {}), RankCall(1, (), {})]
+    assert get(wg._group.submit("count", calls, timeout=30)) == [0, 1]
 
 
 @pytest.mark.timeout(120)

@@ -303,10 +303,8 @@ class TorchrunGroup(BackendGroup):
         # Serialize each distinct object once per call, however many ranks get it.
         encoded: dict[int, wire.Encoded] = {}
         keep: list[Any] = []
-        deadline = None if timeout is None else time.monotonic() + timeout
         # One id for the whole call: each rank keys its own pending calls.
-        call_id = next(self._call_ids)
-        batch = CallBatch(len(calls), call_id, self._expire)
+        call_id, batch, deadline = self._open_call(len(calls), timeout)
         futures: list[RankFuture] = []
         outgoing: list[tuple[_Rank, TorchrunFuture, list[int], list[int], dict[str, int]]] = []
         for call in calls:
@@ -326,9 +324,6 @@ class TorchrunGroup(BackendGroup):
         # for every rank: it takes the rank's hold on a shared segment.)
         heads: dict[Any, bytes] = {}
         ready: list[tuple[bytes, list[Any]]] = []
-        if deadline is not None:
-            with self._lock:
-                heapq.heappush(self._deadlines, (deadline, call_id))
         try:
             for state, fut, objs, arg_index, kw_index in outgoing:
                 pool = self._pool if state.shm else None
@@ -339,17 +334,10 @@ class TorchrunGroup(BackendGroup):
                     frames.extend(fr)
                 key = (tuple(objs), pool is None, tuple(arg_index), tuple(kw_index.items()))
                 with self._lock:
-                    if self._stopping:
-                        raise GroupShutdownError(self.spec.name_prefix, method=target)
-                    if self._dead is not None:
-                        raise self._dead  # futures already sent were failed with it
-                    state.pending[call_id] = fut
-                    freed, state.freed = state.freed, []
+                    freed = self._enlist(state, call_id, fut, target)
                 if freed:
                     meta = (call_id, target, descs, arg_index, kw_index, freed)
                     head = wire.head(wire.CALL, meta)
-                elif not objs:
-                    head = heads.get(None) or heads.setdefault(None, wire.bare_call(call_id, target))
                 else:
                     head = heads.get(key) or heads.setdefault(
                         key, wire.head(wire.CALL, (call_id, target, descs, arg_index, kw_index, []))
@@ -369,32 +357,49 @@ class TorchrunGroup(BackendGroup):
         self, target: str, calls: Sequence[RankCall], timeout: float | None
     ) -> list[RankFuture]:
         """:meth:`submit` of a call without arguments: one :data:`.wire.CALL_BARE` head for all."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        call_id = next(self._call_ids)
-        batch = CallBatch(len(calls), call_id, self._expire)
+        call_id, batch, deadline = self._open_call(len(calls), timeout)
         bare = wire.bare_call(call_id, target)
         futures: list[RankFuture] = []
         ready: list[tuple[bytes, list[Any]]] = []
         with self._lock:
-            if self._stopping:
-                raise GroupShutdownError(self.spec.name_prefix, method=target)
-            if self._dead is not None:
-                raise self._dead
-            if deadline is not None:
-                heapq.heappush(self._deadlines, (deadline, call_id))
             for call in calls:
                 state = self._ranks[call.rank]
                 fut = TorchrunFuture(call.rank, target, deadline, timeout, self.channel, batch)
-                state.pending[call_id] = fut
                 futures.append(fut)
-                freed, state.freed = state.freed, []
+                freed = self._enlist(state, call_id, fut, target)
                 if freed:  # segments of this rank the controller no longer reads
-                    meta = (call_id, target, [], [], {}, freed)
-                    ready.append((state.identity, [wire.head(wire.CALL, meta)]))
+                    head = wire.head(wire.CALL, (call_id, target, [], [], {}, freed))
+                    ready.append((state.identity, [head]))
                 else:
                     ready.append((state.identity, [bare]))
         self.channel.send_many(ready)
         return futures
+
+    def _open_call(
+        self, size: int, timeout: float | None
+    ) -> tuple[int, CallBatch, float | None]:
+        """A new call's id, its batch of ``size`` ranks, and its deadline, put on the expiry heap."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        call_id = next(self._call_ids)
+        batch = CallBatch(size, call_id, self._expire)
+        if deadline is not None:
+            with self._lock:
+                heapq.heappush(self._deadlines, (deadline, call_id))
+        return call_id, batch, deadline
+
+    def _enlist(self, state: _Rank, call_id: int, fut: TorchrunFuture, target: str) -> list[str]:
+        """Files ``fut`` as the rank's pending call ``call_id``; returns the segments it may free.
+
+        The caller holds ``self._lock``. A group that is stopping or has lost a
+        rank takes no more calls (futures already sent were failed with the cause).
+        """
+        if self._stopping:
+            raise GroupShutdownError(self.spec.name_prefix, method=target)
+        if self._dead is not None:
+            raise self._dead
+        state.pending[call_id] = fut
+        freed, state.freed = state.freed, []
+        return freed
 
     # -- the I/O thread's handlers ------------------------------------------------
 
