@@ -122,6 +122,53 @@ def test_a_controller_holding_the_gil_for_7_s_keeps_its_group(shared) -> None:
     assert len(shared.pid()) == 2
 
 
+@pytest.mark.timeout(60)
+def test_a_supervisor_knows_of_a_link_made_before_it_next_ran(monkeypatch) -> None:
+    """A supervisor descheduled right after it connects (a loaded host) finds the handshake
+    done when it runs again; it must still count the connection as up, or a controller
+    busy for ``orphan_timeout`` reads as gone and its workers are stopped."""
+    import zmq
+
+    from podium.backends.torchrun import worker
+
+    chan = ControlChannel(
+        world_size=1,
+        bind_host="127.0.0.1",
+        advertise_host="127.0.0.1",
+        on_message=lambda *_: None,
+        on_tick=lambda now: None,
+    )
+    chan.start()
+    for name in ("PODIUM_TR_IPC", "PODIUM_TR_CONTROLLER"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PODIUM_TR_SERVER_KEY", chan.keys.server_public.decode())
+    monkeypatch.setenv("PODIUM_TR_ADDR", chan.address)
+    monkeypatch.setenv("PODIUM_TR_ORPHAN_TIMEOUT", "3")
+    connect = zmq.Socket.connect
+
+    def connect_then_stall(sock: zmq.Socket, address: str) -> None:
+        connect(sock, address)
+        if address.startswith("tcp://"):
+            time.sleep(1.0)  # the CURVE handshake completes meanwhile
+
+    monkeypatch.setattr(zmq.Socket, "connect", connect_then_stall)
+    fds = [os.pipe() for _ in range(3)]
+    sup = worker._Supervisor(0, os.getpid(), fds[0][0], fds[1][0], fds[2][1], chan.keys.clients[0])
+    try:
+        sup.monitor.poll(5000)
+        sup.read_link()
+        assert sup.linked
+        assert sup.controller_gone(time.monotonic(), time.monotonic() - 10) is None
+    finally:
+        sup.monitor.close(linger=0)
+        sup.sock.close(linger=0)
+        sup.ctx.term()
+        chan.close()
+        for r, w in fds:
+            os.close(r)
+            os.close(w)
+
+
 @pytest.mark.timeout(120)
 def test_workers_that_cannot_see_the_controller_process_keep_a_busy_one(monkeypatch, procs) -> None:
     """As on another host: the supervisors go by the connection, which a held GIL keeps up."""

@@ -95,8 +95,13 @@ def _read_keys(rank: int) -> tuple[tuple[bytes, bytes], tuple[bytes, bytes]]:
 
 
 def _connect(
-    identity: bytes, keys: tuple[bytes, bytes], heartbeat_timeout: float = 0.0
-) -> tuple[Any, Any]:
+    identity: bytes,
+    keys: tuple[bytes, bytes],
+    heartbeat_timeout: float = 0.0,
+    monitor_events: int = 0,
+) -> tuple[Any, Any, Any]:
+    """A CURVE DEALER connected to the controller, and a monitor of ``monitor_events`` on it
+    (None without); the monitor is attached before the connect, so no event is missed."""
     import zmq
 
     ctx = zmq.Context()
@@ -113,8 +118,11 @@ def _connect(
     sock.identity = identity
     sock.curve_serverkey = _env("PODIUM_TR_SERVER_KEY").encode()
     sock.curve_publickey, sock.curve_secretkey = keys
+    # A monitor reports only what happens after it is attached: a handshake that
+    # completed first would leave the connection's watcher believing it is down.
+    monitor = sock.get_monitor_socket(monitor_events) if monitor_events else None
     sock.connect(_address())
-    return ctx, sock
+    return ctx, sock, monitor
 
 
 def _address() -> str:
@@ -295,7 +303,7 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
     # shard) reuses mapped pages instead of page-faulting a fresh mmap each
     # time (see shm.tune_malloc; costs RSS, which stays at its high-water mark).
     tune_malloc()
-    ctx, sock = _connect(b"w%d" % rank, keys)
+    ctx, sock, _ = _connect(b"w%d" % rank, keys)
     # Wake once a second while idle to remove shared memory nobody uses any more.
     sock.setsockopt(zmq.RCVTIMEO, 1000)
     shm_ok = _shm_probe_ok()
@@ -559,11 +567,11 @@ class _Supervisor:
         # On the controller's host, whether it is alive is a fact (its pid);
         # elsewhere the connection's ZMTP heartbeats tell.
         self.controller = _controller_process()
-        self.ctx, self.sock = _connect(
-            b"s%d" % rank, keys, 0.0 if self.controller else max(self.orphan_after, 2.0)
-        )
-        self.monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        self.ctx, self.sock, self.monitor = _connect(
+            b"s%d" % rank,
+            keys,
+            0.0 if self.controller else max(self.orphan_after, 2.0),
+            monitor_events=zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
         )
         self.linked = False  # the connection to the controller is up
         self.parent = os.getppid()
@@ -649,6 +657,17 @@ class _Supervisor:
                 time.sleep(0.05)
         return None
 
+    def read_link(self) -> None:
+        """Follow the connection to the controller: up after a handshake, down after a disconnect."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, self.zmq.NOBLOCK)
+            except self.zmq.ZMQError:
+                return
+            self.linked = event["event"] == self.zmq.EVENT_HANDSHAKE_SUCCEEDED
+
     def controller_gone(self, now: float, last_ping: float) -> str | None:
         """Why the controller is taken for gone, or None while it may still come back.
 
@@ -688,8 +707,6 @@ class _Supervisor:
 
     def run(self) -> int:
         zmq = self.zmq
-        from zmq.utils.monitor import recv_monitor_message
-
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
@@ -736,12 +753,7 @@ class _Supervisor:
                     if msg[0][:1] != _PING:
                         self.on_message(msg)
             if self.monitor in events:
-                while True:
-                    try:
-                        event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
-                    except zmq.ZMQError:
-                        break
-                    self.linked = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                self.read_link()
             pid, status_raw = os.waitpid(self.child, os.WNOHANG)
             if pid:
                 status = status_raw
