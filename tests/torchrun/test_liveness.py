@@ -131,13 +131,7 @@ def test_a_supervisor_knows_of_a_link_made_before_it_next_ran(monkeypatch) -> No
 
     from podium.backends.torchrun import worker
 
-    chan = ControlChannel(
-        world_size=1,
-        bind_host="127.0.0.1",
-        advertise_host="127.0.0.1",
-        on_message=lambda *_: None,
-        on_tick=lambda now: None,
-    )
+    chan = _channel([])
     chan.start()
     for name in ("PODIUM_TR_IPC", "PODIUM_TR_CONTROLLER"):
         monkeypatch.delenv(name, raising=False)
