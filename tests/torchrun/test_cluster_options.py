@@ -40,3 +40,19 @@ def test_a_mount_torchx_cannot_parse_says_how_to_write_one() -> None:
     backend = load_backend("torchrun", mounts=["src=/a,dst=/b"], tune_malloc=False)
     with pytest.raises(ValueError, match=r"mounts.*type=volume,src="):
         backend.app_for(_spec(), {})
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "pool"),
+    [("local_cwd", [2]), ("local_cwd", [1, 1]), ("slurm", [2]), ("kubernetes", [2])],
+)
+def test_the_app_is_named_after_the_group(scheduler: str, pool: list[int]) -> None:
+    """The app's name starts its id: the Kubernetes job's name, the local scheduler's log directory."""
+    spec = GroupSpec(
+        pool=ResourcePool(pool, use_gpu=False),
+        cls_with_init=ClassWithInitArgs(Worker),
+        name_prefix="actor_rollout",
+    )
+    backend = load_backend("torchrun", scheduler=scheduler, tune_malloc=False)
+    assert backend.app_for(spec, {}).name == "podium-actor_rollout"
+

@@ -154,9 +154,9 @@ def app_for_pool(
         role_env["CUDA_VISIBLE_DEVICES"] = devices
     role_env.setdefault("LOGLEVEL", "WARNING")
     if local or nnodes == 1:
-        for name, value in _LOOPBACK_ENV.items():
-            if name not in role_env and name not in os.environ:
-                role_env[name] = value
+        for var, value in _LOOPBACK_ENV.items():
+            if var not in role_env and var not in os.environ:
+                role_env[var] = value
     if nnodes == 1:
         endpoint = "127.0.0.1:0"  # one agent: its store picks a free port on loopback
     elif local:
@@ -214,7 +214,7 @@ def app_for_pool(
                 args=["-c", " ".join(cmd)],
                 num_replicas=nnodes,
                 resource=specs.Resource(cpu=cpu, gpu=gpus, memMB=mem_mb),
-                env={name: escape(value) for name, value in role_env.items()},
+                env={var: escape(value) for var, value in role_env.items()},
                 port_map={"c10d": rdzv_port or 29500},
                 max_retries=0,
                 mounts=role_mounts,
