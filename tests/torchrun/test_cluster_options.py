@@ -8,11 +8,11 @@ from podium import ClassWithInitArgs, ResourcePool, Worker, load_backend
 from podium.core.backend import GroupSpec
 
 
-def _spec() -> GroupSpec:
+def _spec(pool: list[int] | None = None, name_prefix: str = "c") -> GroupSpec:
     return GroupSpec(
-        pool=ResourcePool([2], use_gpu=False),
+        pool=ResourcePool(pool or [2], use_gpu=False),
         cls_with_init=ClassWithInitArgs(Worker),
-        name_prefix="c",
+        name_prefix=name_prefix,
     )
 
 
@@ -48,11 +48,5 @@ def test_a_mount_torchx_cannot_parse_says_how_to_write_one() -> None:
 )
 def test_the_app_is_named_after_the_group(scheduler: str, pool: list[int]) -> None:
     """The app's name starts its id: the Kubernetes job's name, the local scheduler's log directory."""
-    spec = GroupSpec(
-        pool=ResourcePool(pool, use_gpu=False),
-        cls_with_init=ClassWithInitArgs(Worker),
-        name_prefix="actor_rollout",
-    )
     backend = load_backend("torchrun", scheduler=scheduler, tune_malloc=False)
-    assert backend.app_for(spec, {}).name == "podium-actor_rollout"
-
+    assert backend.app_for(_spec(pool, "actor_rollout"), {}).name == "podium-actor_rollout"
