@@ -42,6 +42,7 @@ __all__ = [
     "MESH_INFO",
     "RESULT_NOT_LOADED",
     "RESULT_NOT_SENT",
+    "RETURNED_NONE",
     "Outcome",
     "RemoteFailure",
     "WorkerHost",
@@ -118,6 +119,9 @@ class Outcome:
         raise failure.to_exception()
 
 
+# The outcome of most calls, shared (outcomes are never changed).
+RETURNED_NONE = Outcome(True, None)
+
 # Where a value failed to cross between the controller and a worker (see crossing_failure).
 ARGUMENT_NOT_LOADED = "an argument of the call could not be unpickled in the worker"
 RESULT_NOT_SENT = "the return value could not be pickled in the worker"
@@ -151,6 +155,7 @@ class WorkerHost:
         self._loop_lock = threading.Lock()
         self._slots: asyncio.Semaphore | None = None  # created on the loop, at its first call
         self.shards = dataplane.ShardStore()  # outputs of output="ref" calls kept here
+        self._pinned = 0  # the thread ident pin() was called from
         token = _constructing_rank.set(info)
         try:
             self.worker = cls_with_init()
@@ -215,6 +220,41 @@ class WorkerHost:
                 dataplane.leave_store(store)
                 pad = finish_worker_pads(pads)
             return Outcome(True, PaddedResult(result, pad) if pad else result)
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return Outcome(False, RemoteFailure.capture(exc, self.info.rank, target))
+
+    def pin(self) -> None:
+        """Give the calling thread this rank's context for good (its rank, its shard store).
+
+        For a backend that runs one rank per process and its calls on one thread
+        (torchrun's main thread): :meth:`run_bare` on that thread then skips
+        setting them for each call.
+        """
+        _constructing_rank.set(self.info)
+        dataplane.run_in_store(self.shards)
+        self._pinned = threading.get_ident()
+
+    def run_bare(self, target: str) -> Outcome:
+        """``run(target, (), {})``, with less to do per call: on a :meth:`pin`-ned thread.
+
+        A call without arguments has no futures to materialize and no rows to
+        pad, and the pinned context already holds the rank and the store, so
+        what is left is the method. An ``output="ref"`` method, or another
+        thread, takes :meth:`run`.
+        """
+        if self._pinned != threading.get_ident():
+            return self.run(target, (), {})
+        try:
+            method = self._resolve(target)
+            spec = get_method_spec(method)
+            if spec is not None and spec.output == "ref":
+                return self.run(target, (), {})
+            result = method()
+            if result is not None and inspect.isawaitable(result):
+                result = self._run_async(result)
+            return Outcome(True, result) if result is not None else RETURNED_NONE
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise

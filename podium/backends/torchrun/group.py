@@ -48,7 +48,7 @@ from podium.backends.torchrun.shm import (
 )
 from podium.core.backend import BackendGroup, GroupSpec, RankCall
 from podium.core.futures import RankFuture
-from podium.core.host import RESULT_NOT_LOADED, Outcome, crossing_failure
+from podium.core.host import RESULT_NOT_LOADED, RETURNED_NONE, Outcome, crossing_failure
 from podium.core.protocol import register_row_joiner
 from podium.errors import CallTimeoutError, GroupShutdownError, WorkerDiedError, WorkerStartupError
 
@@ -64,8 +64,6 @@ _PAUSED_AFTER = 1.0
 # How long a rank that torchrun stopped waits for the report of what made it
 # do so (another rank's exit or a silent supervisor) before it is blamed itself.
 _ROOT_CAUSE_WAIT = 1.5
-# What a RESULT_NONE reply resolves its future with (outcomes are never changed).
-_RETURNED_NONE = Outcome(True, None)
 # Grace for a worker's shutdown() hook and interpreter exit when the group stops.
 SHUTDOWN_GRACE = 10.0
 
@@ -413,7 +411,7 @@ class TorchrunGroup(BackendGroup):
             with self._lock:
                 fut = state.pending.pop(int.from_bytes(head[1:9], "little"), None)
             if fut is not None:
-                fut._resolve(_RETURNED_NONE)
+                fut._resolve(RETURNED_NONE)
             self._collect_freed(state)
             return
         if kind == wire.LOG:

@@ -276,7 +276,7 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
     from concurrent.futures import ThreadPoolExecutor
 
     from podium.backends.torchrun import wire
-    from podium.backends.torchrun.channel import send_frames
+    from podium.backends.torchrun.channel import raw_send, send_frames
     from podium.backends.torchrun.mappings import shared_reads
     from podium.backends.torchrun.shm import (
         MAX_FREE_BYTES,
@@ -414,6 +414,8 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
                         if torch.cuda.is_available():
                             torch.cuda.set_device(info.local_rank)
                     host, outcome = WorkerHost.start(info, cls_with_init)
+                    if host is not None:
+                        host.pin()  # this thread runs every call of the rank (but async ones)
                 except Exception as exc:
                     outcome = Outcome(False, RemoteFailure.capture(exc, rank, "__init__"))
                 del msg
@@ -475,7 +477,10 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
                         async_pool.submit(run_async_call, call_id, target, args, kwargs)
                         args = kwargs = None  # type: ignore[assignment]
                         continue
-                    outcome = host.run(target, args, kwargs)
+                    if descs is None:
+                        outcome = host.run_bare(target)
+                    else:
+                        outcome = host.run(target, args, kwargs)
                     control.running = None
                 except (Exception, CallInterrupted) as exc:
                     control.running = None
