@@ -37,7 +37,10 @@ from podium.core.decorator import (
 from podium.core.dispatch import (
     BoundCollect,
     PortableCollect,
+    collect_all_to_all,
     collect_dp_compute_data_proto,
+    dispatch_all_to_all,
+    dispatch_one_to_all,
     strip_pads,
 )
 from podium.core.futures import DataProtoFuture, RankFuture, get
@@ -155,6 +158,7 @@ class WorkerGroup:
         self._owns_workers = owner is None
         self._methods = registered_methods(cls_with_init.cls)
         self._mesh_layouts: dict[str, MeshLayout] = {}
+        self._argless: dict[str, list[RankCall]] = {}  # see _argless_calls
 
     @classmethod
     def attach(
@@ -263,6 +267,13 @@ class WorkerGroup:
         flush_releases()  # shards whose last BatchRef is gone are freed with the next call
         if args or kwargs:
             args, kwargs = self._resolve_futures(args, kwargs)
+        else:
+            calls = self._argless.get(name)
+            if calls is None:
+                calls = self._argless[name] = self._argless_calls(spec, mode)
+            if calls:  # what the steps below come to for this call: submit, wait, the list
+                timeout = spec.timeout if spec.timeout is not None else self._call_timeout
+                return _gather(self._live_group().submit(self._target(name), calls, timeout=timeout), timeout)
         dispatched = mode.dispatch_fn(self, *args, **kwargs)
         d_args, d_kwargs = dispatched
         pad = pad_of(dispatched)
@@ -298,6 +309,26 @@ class WorkerGroup:
         if spec.output == "ref":  # each rank kept its output: one-shard BatchRefs, collected as data
             outputs = adopt(outputs, self._group, self.name_prefix, spec.row_meta, name)
         return unpad(mode.collect_fn(self, outputs), pad or worker_pad)
+
+    def _argless_calls(self, spec: MethodSpec, mode: DispatchMode) -> list[RankCall]:
+        """Every rank's share of a blocking call without arguments whose result is the ranks' outputs.
+
+        Empty when the method's call is anything else (a mode of its own, one
+        rank, futures or BatchRefs out): that takes the general path. Kept per
+        method, so a no-op call (a barrier, a step) skips the dispatch and
+        collect it does not need. Without arguments no rank pads rows, so the
+        outputs come back as they are.
+        """
+        plain = (
+            spec.blocking
+            and spec.output != "ref"
+            and spec.execute_mode is Execute.ALL
+            and spec.dispatch_mode is not Dispatch.RANK_ZERO
+            and mode.mesh_name is None
+            and mode.dispatch_fn in (dispatch_one_to_all, dispatch_all_to_all)
+            and mode.collect_fn is collect_all_to_all
+        )
+        return [RankCall(rank, (), {}) for rank in range(self.world_size)] if plain else []
 
     def _joins_rows(self, mode: DispatchMode, ranks: int) -> bool:
         """Whether ``mode``'s collect concatenates the outputs of two or more ranks into new rows."""

@@ -13,6 +13,7 @@ from podium import (
     DataProto,
     DataProtoFuture,
     RankFuture,
+    RemoteError,
     ResourcePool,
     WorkerGroup,
     get,
@@ -163,6 +164,29 @@ class ExecutionTests(BackendFixtures):
             with WorkerGroup(second, ClassWithInitArgs(ConformanceWorker), backend=backend) as b:
                 assert [o["rank"] for o in a.whoami()] == [0]
                 assert [o["world_size"] for o in b.whoami()] == [1]
+
+    def test_calls_without_arguments(self, wg: WorkerGroup) -> None:
+        # Each twice: the second call takes the path the first one chose and kept.
+        ranks = list(range(WORLD))
+        for _ in range(2):
+            assert [o["rank"] for o in wg.whoami()] == ranks
+            assert [r for r, _, _ in wg.echo()] == ranks  # ALL_TO_ALL
+            assert wg.rank_zero_bare() == 0
+            futures = wg.later_bare()
+            assert all(isinstance(f, RankFuture) for f in futures) and get(futures) == ranks
+            assert wg.build_bare() == [(r, WORLD) for r in ranks]
+            assert wg.coroutine_bare() == ranks
+            with pytest.raises(ValueError, match="bare failure on rank") as info:
+                wg.fail_bare()
+            assert isinstance(info.value, RemoteError) and info.value.rank in ranks
+
+    def test_a_call_without_arguments_keeps_its_deadline(self, backend: Backend, wg: WorkerGroup) -> None:
+        skip_unless(backend, "call_timeout")
+        with pytest.raises(CallTimeoutError) as info:
+            wg.hang_bare()
+        assert info.value.ranks and "hang_bare" in str(info.value)
+        wg.sleep(0)  # the group stays usable
+        assert [o["rank"] for o in wg.whoami()] == list(range(WORLD))
 
     def test_call_deadlines(self, backend: Backend, wg: WorkerGroup) -> None:
         skip_unless(backend, "call_timeout")

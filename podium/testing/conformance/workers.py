@@ -58,6 +58,10 @@ class Unsendable:
         raise TypeError("Unsendable cannot be pickled")
 
 
+class SubWorker(Worker):
+    """A worker that a rank's method builds; it takes that rank's place."""
+
+
 class ConformanceWorker(Worker):
     def __init__(self, offset: int = 0) -> None:
         super().__init__()
@@ -221,6 +225,36 @@ class ConformanceWorker(Worker):
     def count(self) -> int:
         self.calls += 1
         return self.calls
+
+    # Calls without arguments, in every mode that has a shorter path for them.
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def fail_bare(self) -> int:
+        raise ValueError(f"bare failure on rank {self.rank}")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, timeout=0.5)
+    def hang_bare(self) -> int:
+        time.sleep(3.0)
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
+    def rank_zero_bare(self) -> int:
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    def later_bare(self) -> int:
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def build_bare(self) -> tuple[int, int]:
+        inner = SubWorker()  # built inside a call, as verl's init_model builds its engine
+        return inner.rank, inner.world_size
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def coroutine_bare(self) -> Any:
+        async def answer() -> int:
+            return self.rank
+
+        return answer()  # a plain method that returns an awaitable: awaited like an async one
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def all_reduce_rank(self) -> float:
