@@ -63,6 +63,10 @@ _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _SNDMORE = int(zmq.SNDMORE)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+# pyzmq's ``Socket.send`` is Python around the compiled send, for the
+# ``routing_id`` and ``group`` of draft socket types that podium does not use;
+# the per-call paths call the compiled one (same arguments: data, flags, copy).
+raw_send = zmq.backend.Socket.send
 # How long after a caller's last send or wait the I/O thread stays away.
 _QUIET = 0.05
 # Refused connections are logged at most this often (with a count of the rest).
@@ -154,10 +158,10 @@ def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
     """Send a multipart message; large frames go without a copy."""
     last = len(frames) - 1
     if last == 0 and type(frames[0]) is bytes and len(frames[0]) < ZERO_COPY_MIN:
-        sock.send(frames[0])  # a small call or reply: one frame
+        raw_send(sock, frames[0])  # a small call or reply: one frame
         return
     for i, frame in enumerate(frames):
-        sock.send(frame, _SNDMORE if i < last else 0, copy=not is_zero_copy(frame))
+        raw_send(sock, frame, _SNDMORE if i < last else 0, not is_zero_copy(frame))
 
 
 def answer_zap(
@@ -525,7 +529,7 @@ class ControlChannel:
         while self._outbox:
             identity, frames = self._outbox.popleft()
             try:
-                self._router.send(identity, _SNDMORE)
+                raw_send(self._router, identity, _SNDMORE)
                 send_frames(self._router, frames)
             except zmq.ZMQError as exc:
                 # EHOSTUNREACH: the peer is gone; its supervisor's report or a

@@ -56,7 +56,8 @@ class TorchrunFuture(RankFuture):
         channel: ControlChannel,
         batch: CallBatch,
     ) -> None:
-        super().__init__(rank, method)
+        self.rank = rank  # RankFuture's two, without a call to its __init__ (one per rank and call)
+        self.method = method
         self._channel = channel
         self._batch = batch
         self._done = False

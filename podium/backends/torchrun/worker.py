@@ -326,9 +326,9 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
         if outcome.ok and outcome.value is None:  # most replies: nothing to encode
             released = segments.take_releases()
             if kind == wire.RESULT and not released:
-                sock.send(wire.result_none(key))
+                raw_send(sock, wire.result_none(key))
             else:
-                sock.send(wire.head(kind, (key, wire.OK_NONE, released)))
+                raw_send(sock, wire.head(kind, (key, wire.OK_NONE, released)))
             return
         try:
             enc = wire.encode(outcome)
