@@ -158,7 +158,7 @@ class WorkerGroup:
         self._owns_workers = owner is None
         self._methods = registered_methods(cls_with_init.cls)
         self._mesh_layouts: dict[str, MeshLayout] = {}
-        self._argless: dict[str, list[RankCall]] = {}  # see _argless_calls
+        self._argless: dict[str, tuple[DispatchMode, list[RankCall]]] = {}  # see _argless_calls
 
     @classmethod
     def attach(
@@ -268,9 +268,10 @@ class WorkerGroup:
         if args or kwargs:
             args, kwargs = self._resolve_futures(args, kwargs)
         else:
-            calls = self._argless.get(name)
-            if calls is None:
-                calls = self._argless[name] = self._argless_calls(spec, mode)
+            kept = self._argless.get(name)
+            if kept is None or kept[0] is not mode:  # update_dispatch_mode may replace a mode
+                kept = self._argless[name] = (mode, self._argless_calls(spec, mode))
+            calls = kept[1]
             if calls:  # what the steps below come to for this call: submit, wait, the list
                 timeout = spec.timeout if spec.timeout is not None else self._call_timeout
                 return _gather(self._live_group().submit(self._target(name), calls, timeout=timeout), timeout)
@@ -315,7 +316,7 @@ class WorkerGroup:
 
         Empty when the method's call is anything else (a mode of its own, one
         rank, futures or BatchRefs out): that takes the general path. Kept per
-        method, so a no-op call (a barrier, a step) skips the dispatch and
+        method and mode, so a no-op call (a barrier, a step) skips the dispatch and
         collect it does not need. Without arguments no rank pads rows, so the
         outputs come back as they are.
         """
