@@ -452,7 +452,7 @@ class ControlChannel:
                 if now >= deadline:
                     return
                 wait = min(wait, deadline - now)
-            self._handle(self._poller.poll(max(1, math.ceil(wait * 1000))))
+            self._handle(self._poller.poll(max(1, math.ceil(wait * 1000))), done)
 
     def _drain(self, until: float) -> bool:
         """Handle every message that is ready now; False if some are left at ``until``."""
@@ -464,15 +464,17 @@ class ControlChannel:
             if time.monotonic() >= until:
                 return False
 
-    def _handle(self, events: list[tuple[Any, int]]) -> None:
+    def _handle(self, events: list[tuple[Any, int]], done: Callable[[], bool] | None = None) -> None:
         for item, _ in events:
             if item is self._router:
                 # Everything queued now (replies of a call arrive together), a
-                # bounded number, without polling again for each.
+                # bounded number, without polling again for each. A waiter whose
+                # call has its last reply stops there: asking the socket whether
+                # more are queued costs more than the check (the next poll sees them).
                 router = self._router
                 for _ in range(_RECV_BATCH):
                     self._recv_one()
-                    if not router.get(_EVENTS) & _POLLIN:
+                    if (done is not None and done()) or not router.get(_EVENTS) & _POLLIN:
                         break
             elif item == self._wake_r:
                 try:

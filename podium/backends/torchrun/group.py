@@ -291,12 +291,15 @@ class TorchrunGroup(BackendGroup):
             raise self._dead
         if getattr(self, "_podium_closed", False):
             raise RuntimeError(f"group {self.spec.name_prefix!r} was shut down")
+        bare = True
         for call in calls:
             if not 0 <= call.rank < self.world_size:
                 raise ValueError(
                     f"rank {call.rank} is not in this group (world size {self.world_size})"
                 )
-        if all(not call.args and not call.kwargs for call in calls):
+            if call.args or call.kwargs:
+                bare = False
+        if bare:
             return self._submit_bare(target, calls, timeout)
         # Serialize each distinct object once per call, however many ranks get it.
         encoded: dict[int, wire.Encoded] = {}
@@ -412,7 +415,8 @@ class TorchrunGroup(BackendGroup):
                 fut = state.pending.pop(int.from_bytes(head[1:9], "little"), None)
             if fut is not None:
                 fut._resolve(RETURNED_NONE)
-            self._collect_freed(state)
+            if self._segments.released:
+                self._collect_freed()
             return
         if kind == wire.LOG:
             self._print(state, head[1:2], frames[0].bytes)
@@ -433,7 +437,7 @@ class TorchrunGroup(BackendGroup):
                 outcome = crossing_failure(exc, state.rank, fut.method if fut else "", RESULT_NOT_LOADED)
             if fut is not None:
                 fut._resolve(outcome)
-            self._collect_freed(state)
+            self._collect_freed()
         elif kind == wire.BEAT:
             pass
         elif kind == wire.HELLO:
@@ -479,7 +483,7 @@ class TorchrunGroup(BackendGroup):
                 return
             self._mark_dead(error)
 
-    def _collect_freed(self, state: _Rank) -> None:
+    def _collect_freed(self) -> None:
         freed = self._segments.take_releases()
         if freed:
             # Segments live in the worker's pool; its prefix says whose.
@@ -506,7 +510,7 @@ class TorchrunGroup(BackendGroup):
             with self._lock:
                 _, call_id = heapq.heappop(self._deadlines)
             self._expire(call_id)
-        self._collect_freed(self._ranks[0])
+        self._collect_freed()
         self._segments.trim()  # workers' segments they removed: unmap them here too
         shared_reads().trim()  # and exported ones that materialize() mapped
         if self._pool is not None:

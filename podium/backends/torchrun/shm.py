@@ -402,7 +402,9 @@ class SegmentMap:
     def __init__(self) -> None:
         self._maps: dict[str, mmap.mmap] = {}
         self._live: dict[str, int] = {}  # parts of each segment with views alive
-        self._released: deque[str] = deque()
+        # Segments whose release is due (take_releases empties it); a reader may
+        # look at it to skip the call when it is empty.
+        self.released: deque[str] = deque()
         self._lock = threading.Lock()
         self._pagemap = _PageMap()
         _segment_maps.add(self)
@@ -424,7 +426,7 @@ class SegmentMap:
             if places:
                 self._live[name] = self._live.get(name, 0) + 1
         if not places:
-            self._released.append(name)
+            self.released.append(name)
             return []
         start = min(off for off, _ in places)
         end = max(off + n for off, n in places)
@@ -457,7 +459,7 @@ class SegmentMap:
             return  # closed meanwhile (shutdown)
         with self._lock:
             self._live[name] = self._live.get(name, 1) - 1
-        self._released.append(name)
+        self.released.append(name)
 
     def trim(self) -> None:
         """Unmap segments that nothing here reads and that their owner removed.
@@ -485,12 +487,12 @@ class SegmentMap:
             return list(self._maps)
 
     def take_releases(self) -> list[str]:
-        if not self._released:
+        if not self.released:
             return []
         out = []
         while True:
             try:
-                out.append(self._released.popleft())
+                out.append(self.released.popleft())
             except IndexError:
                 return out
 
