@@ -492,10 +492,8 @@ class _RegisteredCall:
 
 def _gather(futures: list[RankFuture], timeout: float | None) -> list[Any]:
     """``get(futures, timeout)`` for one submission's futures (all of one backend's class)."""
-    if futures:
-        cls = type(futures[0])
-        if all(type(f) is cls for f in futures):
-            return list(cls.gather(futures, timeout))
+    if futures and len(set(map(type, futures))) == 1:
+        return list(type(futures[0]).gather(futures, timeout))
     return get(futures, timeout)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 from podium.backends.torchrun.channel import ControlChannel
@@ -120,8 +121,10 @@ class TorchrunFuture(RankFuture):
         if (
             isinstance(first, TorchrunFuture)
             and not first._batch.settled()
-            and all(isinstance(f, TorchrunFuture) and f._batch is first._batch for f in futures)
-            and len({id(f) for f in futures}) == first._batch.size  # the whole submission
+            # The whole submission: as many distinct futures as it has, all of
+            # its batch (checked with C loops: this runs on every call).
+            and len(set(map(id, futures))) == first._batch.size
+            and set(map(getattr, futures, repeat("_batch"), repeat(None))) == {first._batch}
         ):
             wait = timeout
             if first._deadline is not None:  # one submission: one deadline
