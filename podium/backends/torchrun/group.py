@@ -415,8 +415,7 @@ class TorchrunGroup(BackendGroup):
                 fut = state.pending.pop(int.from_bytes(head[1:9], "little"), None)
             if fut is not None:
                 fut._resolve(RETURNED_NONE)
-            if self._segments.released:
-                self._collect_freed()
+            self._collect_freed()
             return
         if kind == wire.LOG:
             self._print(state, head[1:2], frames[0].bytes)
@@ -484,6 +483,8 @@ class TorchrunGroup(BackendGroup):
             self._mark_dead(error)
 
     def _collect_freed(self) -> None:
+        if not self._segments.released:  # the usual case, on every reply
+            return
         freed = self._segments.take_releases()
         if freed:
             # Segments live in the worker's pool; its prefix says whose.
