@@ -19,6 +19,7 @@ import sys
 import threading
 import traceback
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,6 +157,7 @@ class WorkerHost:
         self._slots: asyncio.Semaphore | None = None  # created on the loop, at its first call
         self.shards = dataplane.ShardStore()  # outputs of output="ref" calls kept here
         self._pinned = 0  # the thread ident pin() was called from
+        self._direct: dict[str, Callable[[], Outcome]] = {}  # see direct()
         token = _constructing_rank.set(info)
         try:
             self.worker = cls_with_init()
@@ -179,14 +181,19 @@ class WorkerHost:
         role, name = split_target(target)
         if name == dataplane.RELEASE:
             return self.shards.release
+        obj = self._owner(role)
+        if name == MESH_INFO:
+            return obj._query_dispatch_collect_info
+        return getattr(obj, name)
+
+    def _owner(self, role: str | None) -> Any:
+        """The object a target's method lives on: the worker, or one of its colocated roles."""
         obj = self.worker
         if role is not None:
             if not isinstance(obj, ColocatedWorker) or role not in obj.roles:
                 raise AttributeError(f"this worker has no colocated role {role!r}")
             obj = obj.roles[role]
-        if name == MESH_INFO:
-            return obj._query_dispatch_collect_info
-        return getattr(obj, name)
+        return obj
 
     def run(self, target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Outcome:
         """Run one call; never raises for an error in user code."""
@@ -241,24 +248,60 @@ class WorkerHost:
 
         A call without arguments has no futures to materialize and no rows to
         pad, and the pinned context already holds the rank and the store, so
-        what is left is the method. An ``output="ref"`` method, or another
-        thread, takes :meth:`run`.
+        what is left is the method (see :meth:`direct`). An ``output="ref"``
+        method, a target that does not resolve, or another thread, takes :meth:`run`.
         """
         if self._pinned != threading.get_ident():
             return self.run(target, (), {})
+        call = self._direct.get(target) or self.direct(target)
+        return self.run(target, (), {}) if call is None else call()
+
+    def direct(self, target: str) -> Callable[[], Outcome] | None:
+        """``run_bare(target)`` as a function of no arguments, for the :meth:`pin`-ned thread.
+
+        A backend whose worker loop keeps it per target calls it instead of
+        :meth:`run_bare` for each later call without arguments on that thread.
+        It looks the method up on each call (an attribute the worker rebinds is
+        honoured); what it keeps from the first look is the verdict that
+        ``target`` is a plain method (not ``output="ref"``, not a role or
+        service that is missing). ``None`` where :meth:`run` must serve the
+        target: on another thread, for an ``output="ref"`` method, the
+        data-plane and mesh services, and for a name that does not resolve now
+        (its call then fails through :meth:`run` with the usual error).
+        """
+        if self._pinned != threading.get_ident():
+            return None
+        known = self._direct.get(target)
+        if known is not None:
+            return known
+        role, name = split_target(target)
+        if name == dataplane.RELEASE or name == MESH_INFO:
+            return None
         try:
-            method = self._resolve(target)
-            spec = get_method_spec(method)
-            if spec is not None and spec.output == "ref":
-                return self.run(target, (), {})
-            result = method()
-            if result is not None and inspect.isawaitable(result):
-                result = self._run_async(result)
-            return Outcome(True, result) if result is not None else RETURNED_NONE
-        except BaseException as exc:
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            return Outcome(False, RemoteFailure.capture(exc, self.info.rank, target))
+            owner = self._owner(role)
+            method = getattr(owner, name)
+        except Exception:
+            return None
+        spec = get_method_spec(method)
+        if spec is not None and spec.output == "ref":
+            return None
+        rank = self.info.rank
+
+        def call() -> Outcome:
+            try:
+                result = getattr(owner, name)()
+                if result is None:
+                    return RETURNED_NONE
+                if inspect.isawaitable(result):
+                    result = self._run_async(result)
+                return Outcome(True, result) if result is not None else RETURNED_NONE
+            except BaseException as exc:
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                return Outcome(False, RemoteFailure.capture(exc, rank, target))
+
+        self._direct[target] = call
+        return call
 
     def _export(self, method: Any, mode: Any, row_meta: tuple[str, ...], target: str, result: Any) -> Any:
         """Keep an ``output="ref"`` result here; ranks that do not collect (nd-mesh) keep nothing."""

@@ -135,6 +135,14 @@ class TransportWorker(Worker):
     def nothing(self) -> None:
         return None
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def which(self) -> str:
+        return "method"
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def rebind_which(self) -> None:
+        self.which = lambda: f"rebound on {self.rank}"  # type: ignore[method-assign]
+
     @register(dispatch_mode=Dispatch.ALL_TO_ALL)
     def count(self, *args: int) -> int:
         return len(args) * 10 + self.rank
@@ -210,6 +218,16 @@ def test_calls_without_arguments_carry_the_segments_the_controller_freed(wg: Wor
         assert wg.nothing() == [None, None]
         assert wg._group._ranks[0].freed == [] and wg._group._ranks[1].freed == []
     assert len([name for name in maps if "-w0-" in name]) <= 3
+
+
+@pytest.mark.timeout(120)
+def test_a_method_the_worker_rebinds_is_the_one_its_next_call_runs(wg: WorkerGroup) -> None:
+    # After its first call a rank keeps the verdict that ``which`` is a plain
+    # method and calls it directly, but still looks the attribute up each time.
+    assert wg.which() == ["method", "method"]
+    assert wg.which() == ["method", "method"]
+    wg.rebind_which()
+    assert wg.which() == ["rebound on 0", "rebound on 1"]
 
 
 @pytest.mark.timeout(120)

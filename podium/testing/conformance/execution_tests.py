@@ -182,11 +182,12 @@ class ExecutionTests(BackendFixtures):
 
     def test_a_call_without_arguments_keeps_its_deadline(self, backend: Backend, wg: WorkerGroup) -> None:
         skip_unless(backend, "call_timeout")
-        with pytest.raises(CallTimeoutError) as info:
-            wg.hang_bare()
-        assert info.value.ranks and "hang_bare" in str(info.value)
-        wg.sleep(0)  # the group stays usable
-        assert [o["rank"] for o in wg.whoami()] == list(range(WORLD))
+        for _ in range(2):  # the second call takes the path the first one kept
+            with pytest.raises(CallTimeoutError) as info:
+                wg.hang_bare()
+            assert info.value.ranks and "hang_bare" in str(info.value)
+            wg.sleep(0)  # the group stays usable
+            assert [o["rank"] for o in wg.whoami()] == list(range(WORLD))
 
     def test_call_deadlines(self, backend: Backend, wg: WorkerGroup) -> None:
         skip_unless(backend, "call_timeout")
