@@ -253,7 +253,7 @@ class WorkerHost:
         """
         if self._pinned != threading.get_ident():
             return self.run(target, (), {})
-        call = self._direct.get(target) or self.direct(target)
+        call = self.direct(target)  # kept per target after the first call
         return self.run(target, (), {}) if call is None else call()
 
     def direct(self, target: str) -> Callable[[], Outcome] | None:
