@@ -251,9 +251,8 @@ class WorkerHost:
         what is left is the method (see :meth:`direct`). An ``output="ref"``
         method, a target that does not resolve, or another thread, takes :meth:`run`.
         """
-        if self._pinned != threading.get_ident():
-            return self.run(target, (), {})
-        call = self.direct(target)  # kept per target after the first call
+        # None off the pinned thread; kept per target after the first call.
+        call = self.direct(target)
         return self.run(target, (), {}) if call is None else call()
 
     def direct(self, target: str) -> Callable[[], Outcome] | None:
