@@ -2,7 +2,8 @@
 
 Measures (``--only`` takes these or implementation names):
 
-- ``latency``: a no-op ``ONE_TO_ALL`` call at 1, 2, 4 and 8 workers (median of 200 calls);
+- ``latency``: a no-op ``ONE_TO_ALL`` call at 1, 2, 4 and 8 workers (median over at least
+  200 calls and 1.5 s);
 - ``data``: a ``DP_COMPUTE_PROTO`` round trip of a 1, 16, 64 and 256 MiB float32 batch over
   4 workers, each returning a new tensor of its shard's size (GiB/s of batch);
 - ``ndmesh``: bytes the controller serializes for one dp=2 x tp=2 call, per batch byte;

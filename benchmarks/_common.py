@@ -24,6 +24,10 @@ class Sizes:
 
     latency_workers: tuple[int, ...] = (1, 2, 4, 8)
     latency_calls: int = 200
+    # ... and at least this long: on a small shared host a no-op call's latency swings by
+    # ±30% over stretches of 0.2-1 s (both podium's and the bare fan-out's), so a sample of
+    # 200 calls of 0.2-0.4 ms caught one stretch, and a repeat's figure was its luck.
+    latency_seconds: float = 1.5
     data_workers: int = 4
     data_mib: tuple[int, ...] = (1, 16, 64, 256)
     ndmesh_mib: int = 16
@@ -42,6 +46,7 @@ class Sizes:
             latency_workers=(2,),
             data_workers=2,
             latency_calls=20,
+            latency_seconds=0.0,
             data_mib=(1,),
             ndmesh_mib=1,
             chain_mib=1,
@@ -65,16 +70,24 @@ def progress(what: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
 
 
-def timed(fn: Callable[[], Any], n: int, warmup: int = 1) -> float:
-    """The median wall time of ``n`` calls of ``fn`` after ``warmup`` untimed ones, in seconds."""
+def timed(fn: Callable[[], Any], n: int, warmup: int = 1, at_least: float = 0.0) -> float:
+    """The median wall time of ``n`` calls of ``fn`` after ``warmup`` untimed ones, in seconds;
+    more calls than ``n`` where those took less than ``at_least`` seconds."""
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(n):
+    samples: list[float] = []
+    until = time.perf_counter() + at_least
+    while len(samples) < n or time.perf_counter() < until:
         t = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t)
     return statistics.median(samples)
+
+
+def latency_ms(fn: Callable[[], Any], sizes: Sizes) -> float:
+    """The no-op call latency every implementation reports: the median over
+    ``sizes.latency_calls`` calls and ``sizes.latency_seconds``, after 20 warm-up calls."""
+    return timed(fn, sizes.latency_calls, 20, sizes.latency_seconds) * 1e3
 
 
 def gib_s(mib: int, seconds: float) -> float:

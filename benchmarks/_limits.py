@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._common import MIB, Sizes, gib_s, timed
+from benchmarks._common import MIB, Sizes, gib_s, latency_ms, timed
 
 
 def _echo(inbox: Connection, outbox: Connection) -> None:
@@ -41,7 +41,7 @@ def _dealer(address: str, server_public: bytes, ident: bytes) -> None:
     sock.close(linger=0)
 
 
-def pipe_ms(calls: int) -> float:
+def pipe_ms(sizes: Sizes) -> float:
     ctx = mp.get_context("spawn")
     child_in, to_child = ctx.Pipe(duplex=False)  # (reading end, writing end)
     from_child_r, from_child_w = ctx.Pipe(duplex=False)
@@ -53,13 +53,13 @@ def pipe_ms(calls: int) -> float:
         from_child_r.recv_bytes()
 
     try:
-        return timed(trip, calls, 20) * 1e3
+        return latency_ms(trip, sizes)
     finally:
         to_child.send_bytes(b"stop")
         proc.join(10)
 
 
-def zmq_ms(n: int, calls: int) -> float:
+def zmq_ms(n: int, sizes: Sizes) -> float:
     import zmq
 
     public, secret = zmq.curve_keypair()
@@ -84,7 +84,7 @@ def zmq_ms(n: int, calls: int) -> float:
                 router.recv_multipart()
 
         try:
-            return timed(fan_out, calls, 20) * 1e3
+            return latency_ms(fan_out, sizes)
         finally:
             for ident in idents:
                 router.send_multipart([ident, b"stop"])
@@ -103,9 +103,9 @@ def memcpy_gib_s(mib: int, trips: int) -> float:
 def run(sizes: Sizes, t0: float) -> dict[str, Any]:
     out: dict[str, float] = {}
     if sizes.wants("latency"):
-        out["pipe:latency_ms@1"] = pipe_ms(sizes.latency_calls)
+        out["pipe:latency_ms@1"] = pipe_ms(sizes)
         for n in sizes.latency_workers:
-            out[f"zmq-curve:latency_ms@{n}"] = zmq_ms(n, sizes.latency_calls)
+            out[f"zmq-curve:latency_ms@{n}"] = zmq_ms(n, sizes)
     if sizes.wants("data"):
         for mib in sizes.data_mib:
             out[f"memcpy:data_gib_s@{mib}"] = memcpy_gib_s(mib, sizes.trips(mib))

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import COLS, MIB, Sizes, gib_s, progress, timed
+from benchmarks._common import COLS, MIB, Sizes, gib_s, latency_ms, progress, timed
 from podium import (
     ClassWithInitArgs,
     DataProto,
@@ -68,11 +68,11 @@ def run(backend: str, sizes: Sizes, t0: float) -> dict[str, float]:
         if sizes.wants("latency"):
             for n in sizes.latency_workers:
                 if n == sizes.data_workers:
-                    out[f"latency_ms@{n}"] = timed(main.noop, sizes.latency_calls, 20) * 1e3
+                    out[f"latency_ms@{n}"] = latency_ms(main.noop, sizes)
                     continue
                 progress(f"podium-{backend}: latency at {n} workers")
                 with _group(backend, n, BenchWorker) as wg:
-                    out[f"latency_ms@{n}"] = timed(wg.noop, sizes.latency_calls, 20) * 1e3
+                    out[f"latency_ms@{n}"] = latency_ms(wg.noop, sizes)
         if sizes.wants("data"):
             for mib in sizes.data_mib:
                 progress(f"podium-{backend}: data at {mib} MiB")

@@ -15,7 +15,7 @@ import numpy as np
 import ray
 import torch
 
-from benchmarks._common import COLS, Sizes, gib_s, timed
+from benchmarks._common import COLS, Sizes, gib_s, latency_ms, timed
 
 
 @ray.remote
@@ -45,14 +45,7 @@ def run(sizes: Sizes, t0: float) -> dict[str, float]:
         if sizes.wants("latency"):
             for n in sizes.latency_workers:
                 some = actors[:n]
-                out[f"latency_ms@{n}"] = (
-                    timed(
-                        functools.partial(_noops, some),
-                        sizes.latency_calls,
-                        20,
-                    )
-                    * 1e3
-                )
+                out[f"latency_ms@{n}"] = latency_ms(functools.partial(_noops, some), sizes)
         if sizes.wants("data"):
             for mib in sizes.data_mib:
                 x = np.random.randn(16 * mib, COLS).astype(np.float32)

@@ -19,7 +19,7 @@ from verl.single_controller.base.decorator import (
 )
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
-from benchmarks._common import COLS, MIB, Sizes, gib_s, timed
+from benchmarks._common import COLS, MIB, Sizes, gib_s, latency_ms, timed
 
 MESH = "bench"
 
@@ -82,7 +82,7 @@ def run(sizes: Sizes, t0: float) -> dict[str, float]:
         if sizes.wants("latency"):
             for n in sizes.latency_workers:
                 wg = main if n == sizes.data_workers else _group(n, VerlBenchWorker)
-                out[f"latency_ms@{n}"] = timed(wg.noop, sizes.latency_calls, 20) * 1e3
+                out[f"latency_ms@{n}"] = latency_ms(wg.noop, sizes)
         if sizes.wants("data"):
             for mib in sizes.data_mib:
                 data = DataProto.from_dict({"x": torch.randn(16 * mib, COLS)})

@@ -1,12 +1,15 @@
-"""The benchmark report without running anything: targets as ratios, the tables, the plan."""
+"""The benchmark report without running anything: targets as ratios, the tables, the plan,
+and how a sample is timed."""
 
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import pytest
 
 from benchmarks import harness, report
+from benchmarks._common import timed
 
 
 def _stat(*values: float) -> dict[str, float]:
@@ -70,3 +73,20 @@ def test_plan_skips_verl_without_its_interpreter_and_rejects_unknown_names(tmp_p
 def test_plots_are_written(tmp_path) -> None:
     written = report.plots(SUMMARY, tmp_path)
     assert {p.name for p in written} == {"latency.png", "data.png"}
+
+
+def test_a_timed_sample_spans_its_minimum_time_not_just_its_calls() -> None:
+    calls = []
+
+    def call() -> None:
+        calls.append(None)
+        time.sleep(0.001)
+
+    timed(call, 3, warmup=2)
+    assert len(calls) == 5  # the warm-up and n calls: no window asked for
+    calls.clear()
+    start = time.perf_counter()
+    median = timed(call, 3, warmup=2, at_least=0.1)
+    assert time.perf_counter() - start >= 0.1
+    assert len(calls) > 20  # ~1 ms calls for 0.1 s, not 3
+    assert 0.001 <= median < 0.1
