@@ -94,7 +94,7 @@ def check_targets(summary: Summary) -> list[dict[str, Any]]:
             # ever slows a turn down.
             best = "min" if t.op == "<=" else "max"
             ratio = _ratio(t, by_impl, "median")
-            met = ratio <= t.bound if t.op == "<=" else ratio >= t.bound
+            met = _holds(ratio, t.op, t.bound)
             row.update(
                 ratio=ratio,
                 ratio_best=_ratio(t, by_impl, best),
@@ -103,6 +103,22 @@ def check_targets(summary: Summary) -> list[dict[str, Any]]:
             )
         out.append(row)
     return out
+
+
+def _holds(x: float, op: str, bound: float) -> bool:
+    return x <= bound if op == "<=" else x >= bound
+
+
+def ratio_text(ratio: float, op: str, bound: float) -> str:
+    """``ratio`` to three digits, or as many more as it takes to read on its side of ``bound``.
+
+    (1.0006 against ``<= 1`` prints as ``1.001``, not as a ``1`` marked MISSED.)
+    """
+    for digits in range(3, 8):
+        text = f"{ratio:.{digits}g}"
+        if _holds(float(text), op, bound) == _holds(ratio, op, bound):
+            return text
+    return repr(ratio)
 
 
 def _cell(s: dict[str, float]) -> str:
@@ -163,9 +179,11 @@ def markdown(result: dict[str, Any]) -> str:
         "| target | ratio of medians | of best repeats | |",
         "|---|---|---|---|",
     ]
+    bounds = {t.label(): (t.op, t.bound) for t in TARGETS}
     for t in targets:
-        ratio = "-" if t["ratio"] is None else f"{t['ratio']:.3g}"
-        best = "-" if t.get("ratio_best") is None else f"{t['ratio_best']:.3g}"
+        op, bound = bounds[t["target"]]
+        ratio = "-" if t["ratio"] is None else ratio_text(t["ratio"], op, bound)
+        best = "-" if t.get("ratio_best") is None else ratio_text(t["ratio_best"], op, bound)
         where = f" (at {t['metric']})" if t["substituted"] else ""
         lines.append(f"| {t['target']}{where} | {ratio} | {best} | {t['status']} |")
     lines += ["", tables(result["summary"])]

@@ -61,6 +61,26 @@ def test_markdown_has_the_targets_and_a_table_per_measure() -> None:
     assert "- a note" in text
 
 
+def test_a_ratio_next_to_its_bound_shows_the_digits_that_decide_it() -> None:
+    # 1.0006 against "<= 1" would print as "1" beside MISSED at three digits.
+    summary = {"latency_ms@4": {"podium-ray": _stat(1.0006, 0.9), "verl": _stat(1.0, 1.0)}}
+    result = {
+        "date": "today",
+        "command": "python -m benchmarks",
+        "repeats": 2,
+        "machine": {"cpus": 2},
+        "load": [1.0, 2.0],
+        "summary": summary,
+        "targets": report.check_targets(summary),
+        "notes": [],
+    }
+    text = report.markdown(result)
+    assert "| latency_ms@4: podium-ray / verl <= 1 | 1.001 | 0.9 | MISSED |" in text
+    assert report.ratio_text(0.99996, "<=", 1.0) == "1"  # met, and "1 <= 1" says so
+    assert report.ratio_text(0.9496, ">=", 0.95) == "0.9496"
+    assert report.ratio_text(1.62, "<=", 1.5) == "1.62"
+
+
 def test_plan_skips_verl_without_its_interpreter_and_rejects_unknown_names(tmp_path) -> None:
     _, turns, notes = harness.plan([], False, tmp_path / "missing" / "python")
     assert "verl" not in [t.name for t in turns]
