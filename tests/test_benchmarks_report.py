@@ -44,18 +44,23 @@ def test_targets_are_ratios_of_medians_with_the_best_repeats_beside() -> None:
     assert _target(rows, "start_s: podium-ray / verl <= 1")["status"] == "not measured"
 
 
+def _markdown(summary: dict, repeats: int, notes: list[str]) -> str:
+    return report.markdown(
+        {
+            "date": "today",
+            "command": "python -m benchmarks",
+            "repeats": repeats,
+            "machine": {"cpus": 2},
+            "load": [1.0, 2.0],
+            "summary": summary,
+            "targets": report.check_targets(summary),
+            "notes": notes,
+        }
+    )
+
+
 def test_markdown_has_the_targets_and_a_table_per_measure() -> None:
-    result = {
-        "date": "today",
-        "command": "python -m benchmarks",
-        "repeats": 3,
-        "machine": {"cpus": 2},
-        "load": [1.0, 2.0],
-        "summary": SUMMARY,
-        "targets": report.check_targets(SUMMARY),
-        "notes": ["a note"],
-    }
-    text = report.markdown(result)
+    text = _markdown(SUMMARY, 3, ["a note"])
     assert "3 of 3 repeat(s)" in text
     assert "| podium-torchrun | 0.4 (0.3-0.9) |" in text
     assert "- a note" in text
@@ -64,17 +69,7 @@ def test_markdown_has_the_targets_and_a_table_per_measure() -> None:
 def test_a_ratio_next_to_its_bound_shows_the_digits_that_decide_it() -> None:
     # 1.0006 against "<= 1" would print as "1" beside MISSED at three digits.
     summary = {"latency_ms@4": {"podium-ray": _stat(1.0006, 0.9), "verl": _stat(1.0, 1.0)}}
-    result = {
-        "date": "today",
-        "command": "python -m benchmarks",
-        "repeats": 2,
-        "machine": {"cpus": 2},
-        "load": [1.0, 2.0],
-        "summary": summary,
-        "targets": report.check_targets(summary),
-        "notes": [],
-    }
-    text = report.markdown(result)
+    text = _markdown(summary, 2, [])
     assert "| latency_ms@4: podium-ray / verl <= 1 | 1.001 | 0.9 | MISSED |" in text
     assert report.ratio_text(0.99996, "<=", 1.0) == "1"  # met, and "1 <= 1" says so
     assert report.ratio_text(0.9496, ">=", 0.95) == "0.9496"
