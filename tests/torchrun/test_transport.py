@@ -148,6 +148,16 @@ class TransportWorker(Worker):
         return len(args) * 10 + self.rank
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def thread_policies(self) -> list[tuple[str, bool, int]]:
+        """(name, is the main thread, scheduling policy) of each thread of this rank."""
+        out = []
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            out.append((name, int(tid) == os.getpid(), os.sched_getscheduler(int(tid))))
+        return out
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def dynamo_state(self) -> tuple[bool, bool, float]:
         loaded = "torch._dynamo" in sys.modules
         from tensordict.utils import _lock_warn
@@ -177,6 +187,18 @@ def test_workers_on_this_host_use_the_unix_socket(wg: WorkerGroup) -> None:
         ends = [line for line in f if line.rstrip().endswith(path)]
     # The listener, then the controller's end of each worker's and supervisor's connection.
     assert len(ends) >= 1 + 2 * wg.world_size
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+@pytest.mark.timeout(60)
+def test_a_ranks_zeromq_thread_does_not_preempt_its_main_thread(wg: WorkerGroup) -> None:
+    for threads in wg.thread_policies():
+        (main,) = [policy for _, is_main, policy in threads if is_main]
+        assert main == os.SCHED_OTHER  # the rank's own threads keep the default
+        # The call socket's I/O thread: woken by each reply's send, it waits for
+        # the main thread to block instead of preempting it.
+        io = [policy for name, _, policy in threads if name.startswith("ZMQbg/IO")]
+        assert io.count(os.SCHED_BATCH) == 1, threads
 
 
 @pytest.mark.timeout(120)
