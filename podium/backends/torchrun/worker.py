@@ -94,24 +94,25 @@ def _read_keys(rank: int) -> tuple[tuple[bytes, bytes], tuple[bytes, bytes]]:
     return (public, secret), (reader_public, reader_secret)
 
 
-def _thread_names() -> dict[int, str]:
-    """This process's threads, id -> name (Linux's ``/proc``; empty elsewhere)."""
-    names: dict[int, str] = {}
+def _zmq_io_threads() -> list[int]:
+    """Ids of this process's ZeroMQ I/O threads (Linux's ``/proc``; empty elsewhere)."""
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
-        return names
+        return []
+    found = []
     for tid in tids:
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
-                names[int(tid)] = f.read().strip()
+                if f.read().startswith("ZMQbg/IO"):
+                    found.append(int(tid))
         except OSError:
             pass  # ended meanwhile
-    return names
+    return found
 
 
-def _io_thread_yields(before: set[int]) -> int:
-    """Run the ZeroMQ I/O threads started since ``before`` under ``SCHED_BATCH``.
+def _io_threads_yield() -> None:
+    """Run this process's ZeroMQ I/O threads under ``SCHED_BATCH``.
 
     A rank's main thread sends its reply and goes straight back to wait for the
     next call. The send wakes the context's I/O thread, which under the default
@@ -120,33 +121,25 @@ def _io_thread_yields(before: set[int]) -> int:
     no-op call, and with ``SCHED_BATCH`` 0.15-0.2 (the call 3-6% faster). A
     ``SCHED_BATCH`` thread never preempts on waking; it runs once the main thread
     blocks in its next receive, or at once on an idle CPU, and keeps its fair share
-    of CPU (a rank busy in a training step still answers its pings). libzmq's own
+    of CPU (a rank busy in a training step still gets its messages). libzmq's own
     ``ZMQ_THREAD_SCHED_POLICY`` is not used: it aborts the process where the system
-    refuses the policy, and here a refusal only leaves the default. Returns how
-    many threads were changed (0 off Linux).
+    refuses the policy, and here a refusal only leaves the default.
+
+    Called once the rank's call socket exists (a context's threads start with its
+    first socket), while that is the process's only ZeroMQ context.
     """
     policy = getattr(os, "SCHED_BATCH", None)
     if policy is None:
-        return 0
+        return
     # libzmq names its threads as they start: the I/O thread may still be unnamed.
     deadline = time.monotonic() + 0.5
-    while True:
-        started = [
-            tid
-            for tid, name in _thread_names().items()
-            if tid not in before and name.startswith("ZMQbg/IO")
-        ]
-        if started or time.monotonic() > deadline:
-            break
+    while not (tids := _zmq_io_threads()) and time.monotonic() < deadline:
         time.sleep(0.001)
-    changed = 0
-    for tid in started:
+    for tid in tids:
         try:
             os.sched_setscheduler(tid, policy, os.sched_param(0))
-            changed += 1
         except OSError:
             pass  # not allowed here (a restricted container): the default policy stays
-    return changed
 
 
 def _connect(
@@ -154,19 +147,13 @@ def _connect(
     keys: tuple[bytes, bytes],
     heartbeat_timeout: float = 0.0,
     monitor_events: int = 0,
-    io_yields: bool = False,
 ) -> tuple[Any, Any, Any]:
     """A CURVE DEALER connected to the controller, and a monitor of ``monitor_events`` on it
-    (None without); the monitor is attached before the connect, so no event is missed.
-    With ``io_yields``, the context's I/O thread does not preempt this process's threads
-    (:func:`_io_thread_yields`)."""
+    (None without); the monitor is attached before the connect, so no event is missed."""
     import zmq
 
-    before = set(_thread_names()) if io_yields else set()
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)  # the context's threads start with its first socket
-    if io_yields:
-        _io_thread_yields(before)
+    sock = ctx.socket(zmq.DEALER)
     if heartbeat_timeout > 0:
         # ZMTP heartbeats: answered by the controller's ZeroMQ I/O thread, which
         # needs no GIL, so a controller busy in Python keeps its connections;
@@ -365,7 +352,8 @@ def _worker_main(rank: int, keys: tuple[bytes, bytes], reader: tuple[bytes, byte
     # shard) reuses mapped pages instead of page-faulting a fresh mmap each
     # time (see shm.tune_malloc; costs RSS, which stays at its high-water mark).
     tune_malloc()
-    ctx, sock, _ = _connect(b"w%d" % rank, keys, io_yields=True)
+    ctx, sock, _ = _connect(b"w%d" % rank, keys)
+    _io_threads_yield()
     # Wake once a second while idle to remove shared memory nobody uses any more.
     sock.setsockopt(zmq.RCVTIMEO, 1000)
     shm_ok = _shm_probe_ok()
