@@ -185,3 +185,58 @@ def test_a_collect_copies_large_results_once_and_hands_out_private_memory(
         values = wg.big()
         assert [in_object_store(v) for v in values] == [False, False]
         assert all(torch.equal(v, torch.ones(256, COLS)) for v in values)
+
+
+# -- what a rank receives ---------------------------------------------------------
+
+
+class Inputs(Worker):
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def bump(self, data: DataProto) -> DataProto:
+        """Its rows plus one, written in place, and whether they were in the object store."""
+        x = data.batch["x"]
+        stored = in_object_store(x)
+        x += 1
+        return DataProto.from_dict({"y": x.clone(), "stored": torch.full((len(data),), stored)})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def keep(self, data: DataProto) -> DataProto:
+        self.kept = data.batch["x"]
+        return DataProto.from_dict({"n": torch.ones(len(data))})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def kept_sum(self) -> float:
+        return float(self.kept.double().sum())
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def bump_shared(self, t: torch.Tensor) -> tuple[float, bool]:
+        stored = in_object_store(t)
+        t += self.rank + 1
+        return float(t[0, 0]), stored
+
+
+def test_a_rank_uses_its_own_large_shard_in_place_and_copies_what_ranks_share() -> None:
+    x = torch.arange(512 * COLS, dtype=torch.float32).reshape(512, COLS)
+    small = torch.arange(16 * 8, dtype=torch.float32).reshape(16, 8)
+    with WorkerGroup(ResourcePool([2], use_gpu=False), ClassWithInitArgs(Inputs), backend="ray") as wg:
+        # A rank's own 2 MiB shard is read where the controller wrote it: no copy,
+        # and writable -- no other task reads that object.
+        out = wg.bump(DataProto.from_dict({"x": x}))
+        assert out.batch["stored"].tolist() == [True] * 512
+        assert torch.equal(out.batch["y"], x + 1)
+        assert torch.equal(x, torch.arange(512 * COLS, dtype=torch.float32).reshape(512, COLS))
+        # A small shard travels inline and is copied: writable all the same.
+        out = wg.bump(DataProto.from_dict({"x": small}))
+        assert out.batch["stored"].tolist() == [False] * 16
+        assert torch.equal(out.batch["y"], small + 1)
+
+        # One tensor for every rank: each gets a private copy, a write stays in its rank.
+        assert wg.bump_shared(x) == [(1.0, False), (2.0, False)]
+        assert x[0, 0].item() == 0.0
+
+        # A shard a rank keeps past the call stays valid while later calls churn the store.
+        wg.keep(DataProto.from_dict({"x": x}))
+        for k in range(5):
+            wg.bump(DataProto.from_dict({"x": torch.full_like(x, float(k))}))
+        half = x.double()[:256].sum().item(), x.double()[256:].sum().item()
+        assert wg.kept_sum() == list(half)

@@ -62,7 +62,7 @@ class _RankActor:
         if _expired(deadline):
             return _SKIPPED
         try:
-            target, args, kwargs = wire.decode(message)
+            target, args, kwargs = wire.decode_own(message)
         except BaseException as exc:  # user objects may fail to unpickle
             return self._failure(exc, target)
         return self._run(target, args, kwargs, shared)
@@ -79,7 +79,7 @@ class _RankActor:
         if message is None:
             return self._run(target, (), {}, ())
         try:
-            args, kwargs = wire.decode(message)
+            args, kwargs = wire.decode_own(message)
         except BaseException as exc:  # user objects may fail to unpickle
             return self._failure(exc, target)
         return self._run(target, args, kwargs, shared)

@@ -17,9 +17,19 @@ call, which Ray then moves as plain bytes.
 
 Object-store pages are shared with every reader of the object. :func:`decode`
 copies such a buffer once into private memory, so tensors and numpy arrays the
-user receives behave as ordinary writable ones (as on every other backend). A
-result whose batch rows only a collect reads (:func:`podium.core.backend.rows_joined`)
-may keep its large buffers in the store: the collect's copy is then the only one.
+user receives behave as ordinary writable ones (as on every other backend).
+Two kinds of payload have one reader only, and skip that copy for their large
+buffers:
+
+- a call's own message (:func:`decode_own`): Ray stores each task's arguments
+  as an object of that task alone (and podium's actors never retry a task), so
+  a rank's DP shard is written into the store once by the controller and used
+  there, writable, by the rank -- as a torchrun rank uses its shared-memory
+  segment. Values several ranks receive travel apart (``shared``) and are copied;
+- a result whose batch rows only a collect reads (:func:`podium.core.backend.rows_joined`):
+  the collect's copy is then the only one.
+
+A tensor over store memory keeps its object in the store while it lives.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import numpy as np
 
 from podium.core.serialization import dumps, loads
 
-__all__ = ["SHARED_MIN", "Shared", "decode", "encode", "payload_nbytes", "shareable"]
+__all__ = ["SHARED_MIN", "Shared", "decode", "decode_own", "encode", "payload_nbytes", "shareable"]
 
 # bytes, or (header: bytes, buffers: list[np.ndarray], refs: list[ray.ObjectRef])
 Payload = Any
@@ -79,6 +89,12 @@ def decode(payload: Payload, *, keep: Sequence[np.ndarray] = ()) -> Any:
         return loads(header, buffers, shared_buffers=keep)
     finally:
         _incoming_refs.reset(token)
+
+
+def decode_own(payload: Payload) -> Any:
+    """The value of a call's own message: what no other task reads. Its large store
+    buffers are used in place; writes there reach no one else (see the module doc)."""
+    return decode(payload, keep=shareable(payload))
 
 
 def shareable(payload: Payload) -> list[np.ndarray]:
